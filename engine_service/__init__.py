@@ -1,0 +1,1 @@
+"""Stateful engine service: scheduler, paged KV cache, model runner, sampler."""

@@ -1,0 +1,126 @@
+"""Engine process entry point: start the gRPC server, load the model, serve, drain, exit.
+
+Health answers from the first moment (NOT_SERVING while the model loads), so orchestrators can
+tell "starting" from "dead". A fatal engine error makes the process exit non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2
+
+from tandem.engine_service.async_engine import AsyncEngine
+from tandem.engine_service.config import EngineConfig
+from tandem.engine_service.engine import LLMEngine
+from tandem.engine_service.server import SERVICE_NAME, EngineServicer
+from tandem.health import add_health
+from tandem.protocol import Limits
+from tandem.v1 import engine_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class EngineServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50052
+    default_max_tokens: int = 256
+    drain_timeout: float = 30.0
+
+
+def model_info(engine: LLMEngine) -> dict:
+    runner = engine.runner
+    return {
+        "model": engine.config.model.model,
+        "model_path": str(runner.model_path),
+        "architecture": getattr(runner, "architecture", ""),
+        "max_model_len": engine.max_model_len,
+        "vocab_size": runner.vocab_size,
+        "eos_token_ids": list(engine.eos_token_ids),
+        "dtype": str(getattr(runner, "dtype", "")),
+        "device": str(getattr(runner, "device", "")),
+        "kv_blocks": engine.block_manager.num_blocks,
+        "block_size": engine.block_manager.block_size,
+    }
+
+
+async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready: asyncio.Event | None = None) -> int:
+    """Runs until SIGTERM/SIGINT (exit code 0) or a fatal engine error (exit code 1)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    health = await add_health(server, SERVICE_NAME)
+    servicer = EngineServicer()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{options.host}:{options.port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind {options.host}:{options.port}")
+    await server.start()
+    log.info("engine_listening", address=f"{options.host}:{bound}", model=config.model.model)
+
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(None, LLMEngine, config)
+    fatal = asyncio.Event()
+    stop = asyncio.Event()
+    async_engine = AsyncEngine(engine, on_fatal=lambda exc: loop.call_soon_threadsafe(fatal.set))
+    async_engine.start(loop)
+    limits = Limits(
+        vocab_size=engine.vocab_size,
+        max_model_len=engine.max_model_len,
+        default_max_tokens=options.default_max_tokens,
+        kv_capacity_tokens=engine.kv_capacity_tokens,
+    )
+    servicer.attach(async_engine, limits, model_info(engine))
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    log.info("engine_ready", kv_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len)
+    if ready is not None:
+        ready.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(fatal.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
+
+    if fatal.is_set():
+        await health.enter_graceful_shutdown()
+        await server.stop(grace=1.0)
+        log.error("engine_exiting_after_fatal_error", error=str(async_engine.fatal_error))
+        return 1
+    # Drain: refuse new work, let in-flight requests finish within the timeout.
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    async_engine.accepting = False
+    deadline = loop.time() + options.drain_timeout
+    while async_engine.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    for request_id in async_engine.in_flight_ids():
+        async_engine.abort(request_id)
+    await health.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    async_engine.stop()
+    log.info("engine_stopped")
+    return 0
+
+
+def run_engine(config: EngineConfig, options: EngineServerOptions) -> int:
+    torch_threads = os.environ.get("TANDEM_TORCH_THREADS")
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(int(torch_threads))
+    return asyncio.run(serve_engine(config, options))

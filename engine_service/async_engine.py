@@ -1,0 +1,224 @@
+"""Runs `LLMEngine` on its own thread and hands each request's deltas to asyncio consumers.
+
+Threading model: the engine thread is the only one that touches the scheduler, block manager
+and sequences. The asyncio side (the gRPC server) sends commands through a locked inbox and
+receives per-step outputs through `loop.call_soon_threadsafe`. Each request has a
+`RequestStream`; a consumer that lags simply finds several step outputs queued and merges them
+into one message (coalescing), so the engine never waits on a slow client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import structlog
+
+from tandem.engine_service.engine import LLMEngine, StepOutput
+from tandem.engine_service.sequence import FinishReason, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no new requests: it is draining or stopped after a fatal error."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this ID is already in flight."""
+
+
+@dataclass
+class RequestStream:
+    """The consumer end of one request: step outputs arrive here in order."""
+
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    async def next_batch(self) -> list[StepOutput]:
+        """Waits for at least one step output and returns every one already queued."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        return items
+
+
+class AsyncEngine:
+    """Owns the engine thread; the asyncio-facing API of one engine replica."""
+
+    def __init__(self, engine: LLMEngine, on_fatal: Callable[[BaseException], None] | None = None):
+        self.engine = engine
+        self._on_fatal = on_fatal
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._inbox: deque[tuple[str, tuple]] = deque()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.accepting = True  # False while draining: new requests get UNAVAILABLE
+        self.fatal_error: BaseException | None = None
+        # Refreshed by the engine thread after every step; read by the asyncio side.
+        self.stats_snapshot: dict = engine.stats()
+        self.step_listeners: list[Callable[[list[StepOutput], float], None]] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.fatal_error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def in_flight_ids(self) -> list[str]:
+        return list(self._streams)
+
+    # -- requests (called on the event loop) ------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        if self.fatal_error is not None:
+            raise EngineUnavailableError(f"engine failed: {self.fatal_error}")
+        if not self.accepting:
+            raise EngineUnavailableError("engine is draining")
+        if request_id in self._streams:
+            raise DuplicateRequestError(request_id)
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        self._post("add", (request_id, list(prompt_token_ids), params, time.monotonic()))
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request; its stream gets a final ABORT output once the engine confirmed."""
+        if request_id not in self._streams:
+            return False
+        self._post("abort", (request_id,))
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Forgets a consumer that went away; aborts the request if it had not ended."""
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.finished:
+            self._post("abort", (request_id,))
+        else:
+            self._streams.pop(request_id, None)
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
+        """Runs `fn(engine)` on the engine thread between steps and returns its result."""
+        fut = self._loop.create_future()
+        self._post("call", (fn, fut))
+        return fut
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _post(self, op: str, args: tuple) -> None:
+        with self._wake:
+            self._inbox.append((op, args))
+            self._wake.notify()
+
+    def _drain_inbox(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        while True:
+            with self._wake:
+                if not self._inbox:
+                    return outputs
+                op, args = self._inbox.popleft()
+            if op == "add":
+                request_id, prompt, params, arrival = args
+                try:
+                    seq = self.engine.add_request(request_id, prompt, params)
+                    seq.arrival_time = arrival
+                except Exception as exc:  # invalid after all: report instead of dying
+                    log.warning("add_request_failed", request_id=request_id, error=str(exc))
+                    outputs.append(
+                        StepOutput(request_id, finished=True, finish_reason=FinishReason.ERROR, error=str(exc))
+                    )
+            elif op == "abort":
+                (request_id,) = args
+                seq = self.engine.abort(request_id)
+                outputs.append(
+                    StepOutput(
+                        request_id,
+                        finished=True,
+                        finish_reason=FinishReason.ABORT,
+                        num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
+                        num_output_tokens=seq.num_output_tokens if seq else 0,
+                        num_cached_prompt_tokens=(seq.num_cached_prompt_tokens or 0) if seq else 0,
+                        arrival_time=seq.arrival_time if seq else 0.0,
+                        first_token_time=seq.first_token_time if seq else None,
+                    )
+                )
+            elif op == "call":
+                fn, fut = args
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as exc:
+                    result, error = None, exc
+                self._loop.call_soon_threadsafe(_settle, fut, result, error)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._inbox and not self.engine.has_work() and not self._stopping:
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                outputs = self._drain_inbox()
+                t0 = time.perf_counter()
+                if self.engine.has_work():
+                    outputs.extend(self.engine.step())
+                step_time = time.perf_counter() - t0
+                self.stats_snapshot = self.engine.stats()
+                if outputs:
+                    for listener in self.step_listeners:
+                        listener(outputs, step_time)
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as exc:  # fatal: fail everything in flight and say so
+            log.exception("engine_fatal_error")
+            self.fatal_error = exc
+            self._loop.call_soon_threadsafe(self._fail_all, str(exc))
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+
+    # -- back on the event loop ---------------------------------------------------------------------
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for o in outputs:
+            stream = self._streams.get(o.request_id)
+            if stream is None or stream.finished:
+                continue
+            stream.queue.put_nowait(o)
+            if o.finished:
+                stream.finished = True
+                del self._streams[o.request_id]
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, stream in list(self._streams.items()):
+            stream.queue.put_nowait(
+                StepOutput(request_id, finished=True, finish_reason=FinishReason.ERROR, error=message)
+            )
+            stream.finished = True
+        self._streams.clear()
+
+
+def _settle(fut: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

@@ -1,0 +1,75 @@
+"""Engine configuration: one dataclass, validated once at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits the continuous-batching scheduler works within."""
+
+    max_num_seqs: int = 64  # running sequences at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int = 1024  # bounded waiting queue (requests)
+    max_waiting_tokens: int = 1 << 20  # bounded waiting queue (prompt tokens)
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
+            raise ValueError("waiting-queue bounds must be >= 1")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache shape and sizing."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # fixed pool size; None lets the memory planner size it
+    memory_fraction: float = 0.9  # of free device memory (GPU) after weights
+    cpu_kv_cache_bytes: int = 1 << 30  # pool budget on CPU when num_blocks is None
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError("memory_fraction must be in (0, 1]")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load, and how."""
+
+    model: str = "smollm2-135m-instruct"  # embedded name, HF directory, .gguf file or dummy:<config>
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # auto: cuda if available else cpu
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    seed: int = 0  # for dummy weights
+    cache_dir: str | None = None  # where converted GGUF models are kept
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+
+    @classmethod
+    def default(cls, **model_kwargs) -> "EngineConfig":
+        return cls(ModelConfig(**model_kwargs), CacheConfig(), SchedulerConfig())
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()

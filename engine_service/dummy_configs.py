@@ -1,0 +1,168 @@
+"""Built-in model configurations for `dummy:<name>` specs (random weights, real shapes).
+
+The public ones copy the hyperparameters of the published `config.json` files, so benchmarks
+on dummy weights do exactly the work the real model would. The `tiny-*` ones are for tests.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+_QWEN3_COMMON: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+    },
+    # Qwen/Qwen3-8B
+    "qwen3-8b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+    # meta-llama/Llama-3.1-8B-Instruct
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "vocab_size": 128256,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+    },
+    # HuggingFaceTB/SmolLM2-135M-Instruct
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "vocab_size": 49152,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # Test-sized models: two layers, grouped-query attention, a few hundred tokens of vocabulary.
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 320,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "tiny-qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "use_sliding_window": False,
+        "tie_word_embeddings": True,
+        "vocab_size": 320,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "tiny-qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,  # deliberately != hidden_size / heads, as in the real Qwen3 models
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "use_sliding_window": False,
+        "tie_word_embeddings": True,
+        "vocab_size": 320,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+
+def dummy_config_names() -> list[str]:
+    return sorted(DUMMY_CONFIGS)
+
+
+def get_dummy_config(name: str) -> dict[str, Any]:
+    """A fresh copy of the named config; raises `KeyError` listing the known names."""
+    try:
+        return copy.deepcopy(DUMMY_CONFIGS[name])
+    except KeyError:
+        raise KeyError(f"unknown dummy config {name!r}; known: {', '.join(dummy_config_names())}") from None

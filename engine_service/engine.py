@@ -1,0 +1,183 @@
+"""The engine loop body: one `step()` schedules, runs the model, samples and reports deltas.
+
+`LLMEngine` is synchronous and single-threaded on purpose: the scheduler, block manager and
+sequences are touched only by the thread that calls `step()`. `AsyncEngine` (async_engine.py)
+owns that thread and talks to the gRPC server.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from tandem.engine_service.config import EngineConfig
+from tandem.engine_service.kv_cache import BlockManager
+from tandem.engine_service.model_runner import ModelRunner
+from tandem.engine_service.sampler import Sampler, TokenLogprobs
+from tandem.engine_service.scheduler import Scheduler
+from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence
+from tandem.engine_service.stopping import check_stop
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one sequence produced in one step: new tokens and, on its last step, how it ended."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic counters since start (for Utility STATS and metrics)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+
+
+class LLMEngine:
+    """Continuous batching over one model replica: admission, stepping, stopping, aborts."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.runner = runner or ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(
+            num_blocks=self.runner.num_blocks,
+            block_size=self.runner.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.sampler = Sampler(vocab_size=self.runner.vocab_size)
+        self.eos_token_ids = tuple(self.runner.eos_token_ids)
+        self.counters = EngineCounters()
+        self._first_scheduled: dict[str, float] = {}
+
+    # -- capacity ----------------------------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Sequence:
+        seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add(seq)
+        self.counters.prompt_tokens += len(prompt_token_ids)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self.counters.aborted_requests += 1
+            self._first_scheduled.pop(request_id, None)
+        return seq
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        outputs: dict[str, StepOutput] = {}
+        for seq in out.finished:  # ended by the scheduler itself (cannot ever fit)
+            outputs[seq.request_id] = self._output(seq)
+        if not out.scheduled:
+            self._forget_finished(outputs)
+            return list(outputs.values())
+
+        now = time.monotonic()
+        for item in out.scheduled:
+            self._first_scheduled.setdefault(item.seq.request_id, now)
+        logits = self.runner.execute(out.scheduled)
+        sampling = [item.seq for item in out.scheduled if item.sample]
+        if sampling:
+            sampled = self.sampler.sample(logits, sampling)
+            for seq, token_id, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+                seq.append_token(token_id)
+                check_stop(seq, self.max_model_len)
+                o = outputs.setdefault(seq.request_id, self._output(seq))
+                o.new_token_ids.append(token_id)
+                o.new_logprobs.append(lp)
+            self.counters.generation_tokens += len(sampling)
+        self.scheduler.update(out)
+        self.counters.steps += 1
+        for seq in sampling:
+            if seq.is_finished:
+                o = outputs[seq.request_id]
+                self._fill_ending(o, seq)
+        self._forget_finished(outputs)
+        return list(outputs.values())
+
+    def _output(self, seq: Sequence) -> StepOutput:
+        o = StepOutput(
+            request_id=seq.request_id,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens or 0,
+        )
+        if seq.is_finished:
+            self._fill_ending(o, seq)
+        return o
+
+    def _fill_ending(self, o: StepOutput, seq: Sequence) -> None:
+        o.finished = True
+        o.finish_reason = seq.finish_reason
+        o.stop_reason = seq.stop_reason
+        o.num_prompt_tokens = seq.num_prompt_tokens
+        o.num_output_tokens = seq.num_output_tokens
+        o.num_cached_prompt_tokens = seq.num_cached_prompt_tokens or 0
+        o.arrival_time = seq.arrival_time
+        o.first_scheduled_time = self._first_scheduled.get(seq.request_id)
+        o.first_token_time = seq.first_token_time
+        if seq.finish_reason == FinishReason.ERROR:
+            o.error = str(seq.stop_reason)
+
+    def _forget_finished(self, outputs: dict[str, StepOutput]) -> None:
+        for o in outputs.values():
+            if o.finished:
+                self.counters.finished_requests += 1
+                self._first_scheduled.pop(o.request_id, None)
+
+    # -- introspection -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "waiting_tokens": self.scheduler.waiting_tokens,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_usage": bm.usage,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.counters.prompt_tokens,
+            "generation_tokens_total": self.counters.generation_tokens,
+            "steps_total": self.counters.steps,
+            "finished_requests_total": self.counters.finished_requests,
+            "aborted_requests_total": self.counters.aborted_requests,
+        }

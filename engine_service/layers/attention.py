@@ -1,0 +1,174 @@
+"""Attention over the paged KV cache: step metadata, the KV write, and the backend seam.
+
+KV cache layout (one tensor per layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
+index 0 = K, 1 = V. Token position p of a sequence lives at slot
+`block_table[p // block_size] * block_size + p % block_size` of the flattened
+`num_blocks * block_size` axis.
+
+`select_attention_backend` is the one place that decides which implementation runs; the
+Triton kernels (`tandem.kernels.paged_attention`) will be plugged in there for CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the flat token batch, built once and passed to every layer.
+
+    The batch is B sequences whose new tokens are concatenated into T rows. Device tensors
+    serve the kernels; the `*_cpu` lists serve the reference path (which loops per sequence)
+    without forcing device-to-host syncs.
+    """
+
+    positions: torch.Tensor  # [T] int64: position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each token's K/V is written to
+    query_start_loc: torch.Tensor  # [B+1] int32: row offsets of each sequence's tokens
+    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (never read past seq_len)
+    logits_indices: torch.Tensor  # [S] int64: row of the last token of each sampling sequence
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every sequence contributes exactly one token (the decode-kernel fast path)."""
+        return all(q == 1 for q in self.query_lens_cpu)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store `k`, `v` (`[T, num_kv_heads, head_dim]`) at their slots of one layer's cache."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (`[seq_len, num_kv_heads, head_dim]`) of positions 0..seq_len-1 of one sequence."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[:, block_table[:num_blocks].long()]  # [2, n, block_size, kvh, d]
+    flat = blocks.flatten(1, 2)[:, :seq_len]
+    return flat[0], flat[1]
+
+
+def paged_attention_reference(
+    q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached context, in float32.
+
+    `q` is `[T, num_heads, head_dim]`; the K/V of this step must already be in the cache. The
+    query rows of a sequence sit at positions `seq_len - q_len .. seq_len - 1`.
+    """
+    num_heads = q.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
+        k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len], True = attend
+        qi = q[start : start + q_len].transpose(0, 1).float()  # [heads, q_len, d]
+        ki = k.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        vi = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        out[start : start + q_len] = oi.transpose(0, 1).to(q.dtype)
+        start += q_len
+    return out
+
+
+class AttentionBackend(Protocol):
+    """An implementation of paged attention: store this step's K/V, attend over the cache."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+class TorchReferenceBackend:
+    """Plain PyTorch paged attention (per-sequence SDPA); correct everywhere, fast nowhere."""
+
+    name = "torch-reference"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, kv_cache, metadata.slot_mapping)
+        return paged_attention_reference(q, kv_cache, metadata, scale)
+
+
+def select_attention_backend(device: torch.device | str) -> AttentionBackend:
+    """The single place that picks the attention implementation for a device."""
+    # Triton kernels (kernels/paged_attention.py) will be selected here for CUDA once they land.
+    return TorchReferenceBackend()
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention of one layer over its paged KV cache.
+
+    Holds the head geometry and softmax scale; delegates the work to the backend chosen by
+    `select_attention_backend`, shared by every layer of a model.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = backend
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """`q [T, heads, d]`, `k`/`v [T, kv_heads, d]` -> `[T, heads * d]`."""
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, backend={self.backend.name}"

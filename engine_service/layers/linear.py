@@ -1,0 +1,89 @@
+"""Linear layers shaped for tensor parallelism (column- and row-sharded), uninitialised.
+
+With `tp_size == 1` both are a plain `y = x @ W.T + b`. Each parameter carries a
+`weight_loader(param, full_tensor)` that copies its own shard out of the full checkpoint
+tensor, so the weight loader stays the same when tensor parallelism arrives.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a full checkpoint tensor into `param`, casting dtype and moving device."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def _sharded_loader(dim: int, rank: int, size: int) -> WeightLoader:
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if size > 1:
+            shard = loaded.shape[dim] // size
+            loaded = loaded.narrow(dim, rank * shard, shard)
+        default_weight_loader(param, loaded)
+
+    return load
+
+
+def _split(n: int, tp_size: int, what: str) -> int:
+    if n % tp_size:
+        raise ValueError(f"{what}={n} is not divisible by tp_size={tp_size}")
+    return n // tp_size
+
+
+class _ShardedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard_dim: int, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.in_features = in_features  # this rank's shard
+        self.out_features = out_features
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = _sharded_loader(shard_dim, tp_rank, tp_size)  # type: ignore[attr-defined]
+        if bias:
+            self.bias: nn.Parameter | None = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            # A column shard owns a slice of the bias; a row shard's bias is the full vector.
+            loader = _sharded_loader(0, tp_rank, tp_size) if shard_dim == 0 else default_weight_loader
+            self.bias.weight_loader = loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+            f"tp={self.tp_rank}/{self.tp_size}"
+        )
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """Linear whose output features are split across tensor-parallel ranks (no communication)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(in_features, _split(out_features, tp_size, "out_features"), bias, 0, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(_ShardedLinear):
+    """Linear whose input features are split across ranks; partial outputs are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(_split(in_features, tp_size, "in_features"), out_features, bias, 1, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out)
+        # The bias is added once, after the reduction, not once per rank.
+        return out if self.bias is None else out + self.bias

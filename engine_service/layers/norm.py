@@ -1,0 +1,48 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block."""
+
+from __future__ import annotations
+
+from typing import overload
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm over the last dimension, with an optional fused residual add.
+
+    `forward(x)` returns the normalised tensor. `forward(x, residual)` first forms
+    `x + residual` (the new residual stream) and returns `(normalised, new_residual)`, so a
+    decoder layer never materialises the sum twice; a fused kernel can replace this later
+    without changing callers.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 whatever the activation dtype; the scale is applied after the
+        # cast back, as in the reference checkpoints' own implementation.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

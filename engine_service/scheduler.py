@@ -1,0 +1,244 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Unified chunked prefill (as in vLLM v1): there are no prefill and decode phases. Each step has
+a token budget; every scheduled sequence gets `min(tokens it still has to compute, budget
+left)`. A sequence in the middle of its prompt and a sequence decoding its next token differ
+only in that count. Running sequences go first (in arrival order), then waiting ones (FIFO).
+
+One step, as driven by the engine:
+
+    out = scheduler.schedule()
+    runner.execute(out.scheduled)            # writes K/V, returns logits of `sample` rows
+    for each sampled seq: seq.append_token(t); check_stop(seq)   # may call seq.finish()
+    scheduler.update(out)                    # advance progress, cache blocks, drop finished
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import structlog
+
+from tandem.engine_service.config import SchedulerConfig
+from tandem.engine_service.kv_cache import BlockManager
+from tandem.engine_service.sequence import FinishReason, Sequence, SequenceStatus
+
+log = structlog.get_logger(__name__)
+
+# stop_reason strings of sequences the scheduler itself ends with FinishReason.ERROR.
+KV_CACHE_TOO_SMALL = "kv_cache_too_small"
+EXCEEDS_MAX_MODEL_LEN = "exceeds_max_model_len"
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: `num_new_tokens` tokens starting at its computed count."""
+
+    seq: Sequence
+    num_new_tokens: int
+    # True when this chunk reaches the end of the sequence's tokens: its last logit yields the
+    # next token. False for all but the last chunk of a chunked prompt.
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (ERROR)
+
+
+class Scheduler:
+    """Decides each step's batch under a token budget, a sequence cap and the KV block pool.
+
+    When blocks run out for a running sequence, the most recently arrived running sequence not
+    yet scheduled this step is preempted by recompute: its blocks are freed and it returns to
+    the front of the waiting queue (its written full blocks stay in the prefix cache, so a
+    recompute often gets most of them back). No new sequence is admitted in a step that had to
+    preempt: memory is tight, and admitting would only cause more preemptions.
+
+    Prefix hits at admission: `BlockManager.match_prefix` gives the cached token count first,
+    the chunk size is computed from what remains, and `BlockManager.allocate` then takes the
+    same hits and blocks for exactly that chunk.
+
+    `running` and `waiting` are exposed for inspection; callers must not mutate them.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
+        config.validate()
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            # A whole prompt (or a preempted sequence's prompt and output) must fit in one step.
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_model_len})"
+            )
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        # Both stay sorted by arrival: admission is FIFO and preempted sequences (always the
+        # latest running ones) go back to the front of `waiting`.
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # -- requests ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._requests:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._requests[seq.request_id] = seq
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """End a waiting or running sequence, freeing its blocks. None if unknown or done."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:  # running, or finished by the engine in a step not yet passed to update()
+            self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(FinishReason.ABORT)
+        return seq
+
+    # -- introspection -----------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Tokens the waiting sequences still have to compute (for bounding the queue)."""
+        return sum(seq.num_uncomputed_tokens for seq in self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.block_manager.allocate(seq, num_new):
+                if len(self.running) == 1:
+                    # Alone in the pool and still short of blocks: it can never fit.
+                    self.running.pop()
+                    self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
+                    break
+                # Everything after index i is unscheduled and arrived later than `seq`.
+                victim = self.running.pop()
+                self._preempt(out, victim)
+                if victim is seq:
+                    break
+            else:
+                self._add_scheduled(out, seq, num_new)
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_tokens > self.max_model_len:
+                self.waiting.popleft()
+                self._finish_error(out, seq, EXCEEDS_MAX_MODEL_LEN)
+                continue
+            # match_prefix and allocate agree: nothing touches the cache in between.
+            num_todo = seq.num_tokens - bm.match_prefix(seq)
+            if not self.config.enable_chunked_prefill and num_todo > budget:
+                break
+            num_new = min(num_todo, budget)
+            if not bm.allocate(seq, num_new):
+                if not self.running:
+                    # The whole pool is free or evictable and this still does not fit.
+                    self.waiting.popleft()
+                    self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
+                    continue
+                break  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_scheduled(out, seq, num_new)
+            budget -= num_new
+
+    @staticmethod
+    def _add_scheduled(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        sample = seq.num_computed_tokens + num_new == seq.num_tokens
+        out.scheduled.append(ScheduledSeq(seq, num_new, sample))
+
+    def _preempt(self, out: SchedulerOutput, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        log.debug("preempted", request_id=seq.request_id, num_tokens=seq.num_tokens)
+
+    def _finish_error(self, out: SchedulerOutput, seq: Sequence, reason: str) -> None:
+        self.block_manager.free(seq)
+        seq.finish(FinishReason.ERROR, reason)
+        self._requests.pop(seq.request_id, None)
+        out.finished.append(seq)
+        log.warning(
+            "request_cannot_run", request_id=seq.request_id, reason=reason, num_tokens=seq.num_tokens
+        )
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int] | None = None) -> None:
+        """Account for a finished step; the engine has already appended tokens and checked stops.
+
+        `sampled` (request id -> token id) is accepted for interface compatibility; the tokens
+        are read from the sequences themselves.
+        """
+        bm = self.block_manager
+        for item in output.scheduled:
+            seq = item.seq
+            if self._requests.get(seq.request_id) is not seq:
+                continue  # aborted while the step ran; its blocks are already free
+            seq.num_computed_tokens += item.num_new_tokens
+            bm.commit(seq)
+            if item.sample and not seq.is_finished and seq.num_uncomputed_tokens == 0:
+                raise RuntimeError(
+                    f"sequence {seq.request_id} was sampled but no token was appended "
+                    "before update()"
+                )
+        if any(seq.is_finished for seq in self.running):
+            still_running = []
+            for seq in self.running:
+                if seq.is_finished:
+                    bm.free(seq)
+                    self._requests.pop(seq.request_id, None)
+                else:
+                    still_running.append(seq)
+            self.running = still_running

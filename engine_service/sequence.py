@@ -1,0 +1,140 @@
+"""Per-request state inside the engine: token ids, sampling parameters, KV blocks, progress.
+
+The engine never sees text. A `Sequence` is one engine request (one choice of a client request:
+the frontend fans n>1 out into n sequences that share a prompt and so share prefix-cache blocks).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Token-level sampling and stopping parameters, already validated by the server layer.
+
+    Conventions: temperature == 0 means greedy; top_k <= 0 means disabled; top_p == 1 and
+    min_p == 0 mean disabled; penalties at their neutral values (1.0 / 0.0) mean disabled.
+    `logprobs` is the number of top alternatives to return per generated token (None = no
+    logprobs at all; 0 = only the sampled token's logprob).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_sequences: list[list[int]] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop token sequence
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class Sequence:
+    """One engine request: its tokens, its progress through the KV cache and its ending."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.status = SequenceStatus.WAITING
+        # Tokens whose K/V are written in this sequence's blocks (prefix-cache hits count).
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at the first admission (reported in usage).
+        self.num_cached_prompt_tokens: int | None = None
+        self.block_table: list[int] = []
+        # Hashes of this sequence's full blocks, in order (filled by the block manager).
+        self.block_hashes: list[int] = []
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        # What ended it: a stop token id (int) or the index of a stop token sequence (str "seq:<i>").
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(params.seed)
+
+    # -- token views -------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return (
+            f"Sequence({self.request_id}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

@@ -1,0 +1,197 @@
+"""gRPC face of one engine replica: `tandem.v1.Engine` plus grpc.health.v1.
+
+Translates wire messages into engine calls and back; owns no engine state itself. Every
+accepted request ends exactly once: a final message (Stream), a response (Generate) or an
+error status; a client that goes away aborts its request so its KV blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+from google.protobuf import json_format, struct_pb2
+
+from tandem.engine_service.async_engine import AsyncEngine, DuplicateRequestError, EngineUnavailableError
+from tandem.engine_service.engine import StepOutput
+from tandem.engine_service.sequence import FinishReason
+from tandem.protocol import (
+    FINISH_TO_PROTO,
+    InvalidRequest,
+    Limits,
+    check_prompt_token_ids,
+    sampling_from_proto,
+)
+from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = "tandem.v1.Engine"
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    """Implements Generate / Stream / Utility over an `AsyncEngine`."""
+
+    def __init__(self) -> None:
+        # Registered before the server starts (gRPC needs its handlers then); attached to the
+        # engine once the model is loaded. Until then every call gets UNAVAILABLE.
+        self.engine: AsyncEngine | None = None
+        self.limits: Limits | None = None
+        self.model_info: dict = {}
+
+    def attach(self, engine: AsyncEngine, limits: Limits, model_info: dict) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.model_info = model_info
+
+    async def _require_engine(self, context) -> AsyncEngine:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading its model")
+        return self.engine
+
+    # -- request admission -------------------------------------------------------------------------
+    def _admit(self, request: engine_pb2.EngineRequest):
+        if not request.request_id:
+            raise InvalidRequest("request_id", "must not be empty")
+        if len(request.request_id) > 512:
+            raise InvalidRequest("request_id", "at most 512 characters")
+        prompt = check_prompt_token_ids("prompt_token_ids", request.prompt_token_ids, self.limits.vocab_size)
+        params = sampling_from_proto(
+            request.sampling,
+            self.limits,
+            len(prompt),
+            [list(s.token_ids) for s in request.stop_token_sequences],
+        )
+        return self.engine.submit(request.request_id, prompt, params)
+
+    async def _start(self, request, context):
+        await self._require_engine(context)
+        try:
+            return self._admit(request)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except DuplicateRequestError:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is in flight")
+        except EngineUnavailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    # -- RPCs ----------------------------------------------------------------------------------------
+    async def Stream(self, request, context):
+        stream = await self._start(request, context)
+        first = True
+        try:
+            while True:
+                batch = await stream.next_batch()
+                msg = self._response(request, batch, first)
+                first = False
+                last = batch[-1]
+                if last.finished and last.finish_reason == FinishReason.ERROR:
+                    await context.abort(grpc.StatusCode.INTERNAL, last.error or "engine error")
+                yield msg
+                if last.finished:
+                    return
+        finally:
+            self.engine.release(request.request_id)
+
+    async def Generate(self, request, context):
+        stream = await self._start(request, context)
+        collected: list[StepOutput] = []
+        try:
+            while not (collected and collected[-1].finished):
+                collected.extend(await stream.next_batch())
+        finally:
+            self.engine.release(request.request_id)
+        last = collected[-1]
+        if last.finish_reason == FinishReason.ERROR:
+            await context.abort(grpc.StatusCode.INTERNAL, last.error or "engine error")
+        return self._response(request, collected, True)
+
+    async def Utility(self, request, context):
+        cmd = request.command
+        C = common_pb2
+        if cmd == C.UTILITY_COMMAND_HEALTH and self.engine is None:
+            return common_pb2.UtilityResponse(command=cmd, result=_struct({"status": "NOT_SERVING", "loading": True}))
+        await self._require_engine(context)
+        if cmd == C.UTILITY_COMMAND_HEALTH:
+            ok = self.engine.alive and self.engine.accepting
+            result = {"status": "SERVING" if ok else "NOT_SERVING", "in_flight": self.engine.num_in_flight}
+        elif cmd == C.UTILITY_COMMAND_MODEL_INFO:
+            result = dict(self.model_info)
+        elif cmd == C.UTILITY_COMMAND_ABORT:
+            if not request.request_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required for ABORT")
+            if not self.engine.abort(request.request_id):
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight")
+            result = {"aborted": request.request_id}
+        elif cmd == C.UTILITY_COMMAND_STATS:
+            result = await self.engine.call(lambda e: e.stats())
+            result["in_flight"] = self.engine.num_in_flight
+        elif cmd == C.UTILITY_COMMAND_FLUSH_PREFIX_CACHE:
+            ok = await self.engine.call(lambda e: e.block_manager.reset_prefix_cache())
+            result = {"flushed": bool(ok)}
+        elif cmd == C.UTILITY_COMMAND_SPEC_DECODE_STATS:
+            result = {"enabled": False, "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        elif cmd in (C.UTILITY_COMMAND_START_PROFILE, C.UTILITY_COMMAND_STOP_PROFILE):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "profiling is not enabled on this engine")
+        else:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"command: unknown utility command {cmd}")
+        return common_pb2.UtilityResponse(command=cmd, result=_struct(result))
+
+    # -- responses -----------------------------------------------------------------------------------
+    def _response(self, request, outputs: list[StepOutput], first: bool) -> engine_pb2.EngineResponse:
+        """Merges step outputs into one message. The first message of a stream carries partial
+        usage (prompt and cached prompt tokens) so a consumer that stops early still knows it."""
+        msg = engine_pb2.EngineResponse(request_id=request.request_id)
+        for o in outputs:
+            msg.token_ids.extend(o.new_token_ids)
+            for lp in o.new_logprobs:
+                if lp is not None:
+                    entry = msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank)
+                    for tid, val in lp.top:
+                        entry.top.add(token_id=tid, logprob=val)
+        last = outputs[-1]
+        if first and not last.finished:
+            msg.usage.prompt_tokens = last.num_prompt_tokens
+            msg.usage.cached_prompt_tokens = last.num_cached_prompt_tokens
+            msg.usage.total_tokens = last.num_prompt_tokens
+        if last.finished:
+            msg.finish_reason = FINISH_TO_PROTO[last.finish_reason]
+            if isinstance(last.stop_reason, int) and last.finish_reason == FinishReason.STOP:
+                msg.stop_token_id = last.stop_reason
+            elif isinstance(last.stop_reason, str) and last.stop_reason.startswith("seq:"):
+                msg.stop_sequence_index = int(last.stop_reason[4:])
+            msg.usage.CopyFrom(
+                common_pb2.Usage(
+                    prompt_tokens=last.num_prompt_tokens,
+                    completion_tokens=last.num_output_tokens,
+                    cached_prompt_tokens=last.num_cached_prompt_tokens,
+                    total_tokens=last.num_prompt_tokens + last.num_output_tokens,
+                )
+            )
+            msg.timings.CopyFrom(_timings(last))
+            if request.HasField("kv_transfer_params"):
+                msg.kv_transfer_params.CopyFrom(request.kv_transfer_params)
+        return msg
+
+
+def _timings(o: StepOutput) -> common_pb2.Timings:
+    now = time.monotonic()
+    t = common_pb2.Timings()
+    if not o.arrival_time:
+        return t
+    t.latency = now - o.arrival_time
+    if o.first_scheduled_time is not None:
+        t.queue = o.first_scheduled_time - o.arrival_time
+    if o.first_token_time is not None:
+        t.ttft = o.first_token_time - o.arrival_time
+        if o.num_output_tokens > 1:
+            t.tpot = (now - o.first_token_time) / (o.num_output_tokens - 1)
+    return t
+
+
+def _struct(d: dict) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    json_format.ParseDict(d, s)
+    return s

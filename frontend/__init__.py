@@ -1,0 +1,1 @@
+"""Stateless frontend: text in, text out; talks to engine replicas over gRPC."""

@@ -1,0 +1,104 @@
+"""Frontend process entry point: connect to engines, load the tokenizer, serve, drain, exit."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2
+
+from tandem.frontend.engine_pool import EnginePool
+from tandem.frontend.request_builder import RequestBuilder
+from tandem.frontend.request_ids import RequestIdMap
+from tandem.frontend.server import SERVICE_NAME, FrontendServicer
+from tandem.frontend.tokenizer import TextTokenizer
+from tandem.health import add_health
+from tandem.protocol import Limits
+from tandem.v1 import frontend_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class FrontendOptions:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    engines: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])
+    tokenizer_path: str | None = None  # default: the engine's model directory
+    served_model_name: str | None = None
+    default_max_tokens: int = 256
+    drain_timeout: float = 30.0
+    engine_wait_timeout: float = 900.0
+
+
+async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> RequestBuilder:
+    """Waits for the engines, then loads the tokenizer and the model's limits."""
+    await pool.wait_ready(timeout=options.engine_wait_timeout)
+    info = pool.limits_info()
+    path = options.tokenizer_path or pool.replicas[0].model_info.get("model_path")
+    if not path:
+        raise RuntimeError("no tokenizer: pass --tokenizer (the engine serves a model without one)")
+    loop = asyncio.get_running_loop()
+    tokenizer = await loop.run_in_executor(None, TextTokenizer.from_pretrained, path)
+    limits = Limits(
+        vocab_size=info["vocab_size"],
+        max_model_len=info["max_model_len"],
+        default_max_tokens=options.default_max_tokens,
+        kv_capacity_tokens=info["kv_capacity_tokens"],
+    )
+    name = options.served_model_name or info["model"]
+    return RequestBuilder(tokenizer, limits, name, aliases=(str(path),))
+
+
+async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None = None) -> int:
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+    )
+    health = await add_health(server, SERVICE_NAME)
+    pool = EnginePool(options.engines)
+    servicer = FrontendServicer(pool, RequestIdMap())
+    frontend_pb2_grpc.add_FrontendServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{options.host}:{options.port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind {options.host}:{options.port}")
+    await server.start()
+    log.info("frontend_listening", address=f"{options.host}:{bound}", engines=options.engines)
+    servicer.attach(await build_request_builder(options, pool))
+    pool.start_monitor()
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    log.info("frontend_ready")
+    if ready is not None:
+        ready.set()
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer.accepting = False
+    deadline = loop.time() + options.drain_timeout
+    while len(servicer.ids) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await health.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    await pool.close()
+    log.info("frontend_stopped")
+    return 0
+
+
+def run_frontend(options: FrontendOptions) -> int:
+    return asyncio.run(serve_frontend(options))

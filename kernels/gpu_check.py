@@ -1,0 +1,612 @@
+"""Check every Triton kernel against its PyTorch reference on a GPU at real shapes, then time it.
+
+Usage: ``python -m tandem.kernels.gpu_check --out DIR [--quick] [--only SUBSTRING]``.
+
+Shapes are Qwen3-8B's (32 query heads, 8 KV heads, head_dim 128, hidden 4096, intermediate 12288,
+vocab 151936; block size 16; bfloat16), plus SmolLM2's grouped-query shape (9 heads over 3 KV
+heads, head_dim 64) for the non-power-of-two group. For every case the script
+
+* pre-fills outputs with NaN (so an element the kernel never wrote shows up), runs the kernel and
+  its reference, and requires no NaN and a relative error ``max|out − ref| / max|ref|`` ≤ 1e-2;
+* times the kernel with CUDA events: several calls captured in one CUDA graph (which also proves
+  the launch is capturable), replayed many times after warm-up, median per call; eager launches
+  are the fallback when capture fails;
+* reports achieved bandwidth from the bytes the kernel must move (and TFLOP/s for prefill).
+
+One failing case never stops the others: its error and traceback go into the JSON. Outputs:
+``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` (the table, also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.kernels import activation, kv_store, norm, paged_attention, rotary, sampling
+
+TOLERANCE = 1e-2
+QWEN3 = {"heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "inter": 12288,
+         "vocab": 151936}
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+
+
+@dataclass
+class Case:
+    """One kernel invocation to check and time."""
+
+    kernel: str
+    name: str
+    params: dict[str, Any]
+    # Runs the kernel once; must write into buffers prepared by `prepare` (pre-filled with NaN).
+    run: Callable[[], None]
+    # Returns [(label, kernel_output, reference_output)] after `prepare` + `run`.
+    compare: Callable[[], list[tuple[str, torch.Tensor, torch.Tensor]]]
+    prepare: Callable[[], None] = lambda: None
+    bytes_moved: int = 0
+    flops: int = 0
+    extra_timings: dict[str, Callable[[], None]] = field(default_factory=dict)
+    # Elementwise agreement check instead of the relative error (sampling masks).
+    exact_fraction: bool = False
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    finite = torch.isfinite(ref)
+    denom = ref[finite].abs().max().item() if finite.any() else 0.0
+    diff = (out[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+    return diff / denom if denom > 0 else diff
+
+
+def _paged_cache(
+    seq_lens: list[int], kv_heads: int, head_dim: int, device: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random cache holding every sequence, blocks scattered by a random permutation."""
+    blocks_per_seq = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
+    max_blocks = max(blocks_per_seq)
+    num_blocks = sum(blocks_per_seq) + 1
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, device=device,
+                        dtype=DTYPE, generator=gen)
+    perm = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32, device=device)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    return cache, tables
+
+
+def _nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def _decode_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    batches = (1, 16, 64, 256) if quick else (1, 4, 16, 32, 64, 128, 256)
+    for ctx in (1024, 8192):
+        for batch in batches:
+            yield _decode_case(device, gen, "qwen3", 32, 8, 128, [ctx] * batch, None)
+    yield _decode_case(device, gen, "qwen3", 32, 8, 128, [8192], 1)  # split-KV off, for contrast
+    yield _decode_case(device, gen, "qwen3", 32, 8, 128, [8192] * 16, 1)
+    ragged = torch.randint(1, 8193, (32,), generator=gen, device=device).tolist()
+    yield _decode_case(device, gen, "qwen3-ragged", 32, 8, 128, ragged, None)
+    yield _decode_case(device, gen, "smollm2", 9, 3, 64, [1000, 37, 2049, 16] * 2, None)
+
+
+def _decode_case(
+    device: torch.device,
+    gen: torch.Generator,
+    model: str,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    seq_lens_list: list[int],
+    num_splits: int | None,
+) -> Case:
+    batch = len(seq_lens_list)
+    cache, tables = _paged_cache(seq_lens_list, kv_heads, head_dim, device, gen)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=DTYPE, generator=gen)
+    out = _nan_like(q)
+    scale = head_dim**-0.5
+    splits = num_splits
+    if splits is None:
+        splits = paged_attention.choose_num_splits(
+            batch, kv_heads, tables.shape[1] * BLOCK_SIZE,
+            torch.cuda.get_device_properties(device).multi_processor_count,
+        )
+
+    def run() -> None:
+        paged_attention.paged_decode_attention(q, cache, tables, seq_lens, scale, num_splits, out=out)
+
+    def compare() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        ref = paged_attention.paged_decode_attention_reference(q, cache, tables, seq_lens, scale)
+        return [("out", out, ref)]
+
+    elt = cache.element_size()
+    total = sum(seq_lens_list)
+    return Case(
+        kernel="paged_decode_attention",
+        name=f"{model} B={batch} ctx={'ragged' if 'ragged' in model else max(seq_lens_list)}",
+        params={"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                "total_context": total, "num_splits": splits},
+        run=run,
+        compare=compare,
+        prepare=lambda: out.fill_(float("nan")),
+        bytes_moved=total * kv_heads * head_dim * 2 * elt + 2 * q.numel() * elt,
+        flops=4 * total * heads * head_dim,
+    )
+
+
+def _prefill_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    # (query lengths, context lengths): fresh prompts, long prompt, chunks after a cached prefix,
+    # and a ragged mixed batch.
+    yield _prefill_case(device, gen, "qwen3 fresh", [1024], [1024])
+    yield _prefill_case(device, gen, "qwen3 fresh", [1024] * 4, [1024] * 4)
+    if not quick:
+        yield _prefill_case(device, gen, "qwen3 fresh", [8192], [8192])
+    yield _prefill_case(device, gen, "qwen3 chunk-after-prefix", [512] * 4, [8192] * 4)
+    q_lens = [1, 300, 17, 2048, 64, 1]
+    ctxs = [4000, 300, 1000, 2048, 8192, 1]
+    yield _prefill_case(device, gen, "qwen3 ragged", q_lens, ctxs)
+
+
+def _prefill_case(
+    device: torch.device, gen: torch.Generator, label: str, q_lens: list[int], ctxs: list[int]
+) -> Case:
+    heads, kv_heads, head_dim = QWEN3["heads"], QWEN3["kv_heads"], QWEN3["head_dim"]
+    cache, tables = _paged_cache(ctxs, kv_heads, head_dim, device, gen)
+    tokens = sum(q_lens)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    qsl = torch.tensor(starts, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(ctxs, dtype=torch.int32, device=device)
+    q = torch.randn(tokens, heads, head_dim, device=device, dtype=DTYPE, generator=gen)
+    out = _nan_like(q)
+    scale = head_dim**-0.5
+    max_q = max(q_lens)
+
+    def run() -> None:
+        paged_attention.paged_prefill_attention(q, cache, qsl, seq_lens, tables, scale, max_q,
+                                                out=out)
+
+    def compare() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        ref = paged_attention.paged_prefill_attention_reference(q, cache, qsl, seq_lens, tables,
+                                                                scale)
+        return [("out", out, ref)]
+
+    # Causal work: row i of a chunk sees (ctx - q_len + i + 1) keys.
+    visible = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(q_lens, ctxs))
+    elt = q.element_size()
+    return Case(
+        kernel="paged_prefill_attention",
+        name=f"{label} B={len(q_lens)} q={max_q} ctx={max(ctxs)}",
+        params={"q_lens": q_lens, "context_lens": ctxs},
+        run=run,
+        compare=compare,
+        prepare=lambda: out.fill_(float("nan")),
+        bytes_moved=sum(ctxs) * kv_heads * head_dim * 2 * elt + 2 * q.numel() * elt,
+        flops=4 * visible * heads * head_dim,
+    )
+
+
+def _norm_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    hidden = QWEN3["hidden"]
+    weight = torch.randn(hidden, device=device, dtype=DTYPE, generator=gen)
+    for tokens in (1, 256, 8192) if quick else (1, 32, 256, 2048, 8192):
+        x = torch.randn(tokens, hidden, device=device, dtype=DTYPE, generator=gen)
+        res = torch.randn(tokens, hidden, device=device, dtype=DTYPE, generator=gen)
+        out, res_out = _nan_like(x), _nan_like(x)
+        elt = x.element_size()
+
+        def run_add(x=x, res=res, out=out, res_out=res_out) -> None:
+            norm.fused_add_rmsnorm(x, res, weight, 1e-6, out=out, residual_out=res_out)
+
+        def cmp_add(x=x, res=res, out=out, res_out=res_out):
+            ref, ref_res = norm.fused_add_rmsnorm_reference(x, res, weight, 1e-6)
+            return [("out", out, ref), ("residual", res_out, ref_res)]
+
+        def prep_add(out=out, res_out=res_out) -> None:
+            out.fill_(float("nan"))
+            res_out.fill_(float("nan"))
+
+        yield Case("fused_add_rmsnorm", f"T={tokens} N={hidden}", {"tokens": tokens, "n": hidden},
+                   run_add, cmp_add, prep_add, bytes_moved=4 * x.numel() * elt)
+
+        def run_norm(x=x, out=out) -> None:
+            norm.rmsnorm(x, weight, 1e-6, out=out)
+
+        def cmp_norm(x=x, out=out):
+            return [("out", out, norm.rmsnorm_reference(x, weight, 1e-6))]
+
+        yield Case("rmsnorm", f"T={tokens} N={hidden}", {"tokens": tokens, "n": hidden},
+                   run_norm, cmp_norm, lambda out=out: out.fill_(float("nan")),
+                   bytes_moved=2 * x.numel() * elt)
+
+    # Qwen3 per-head q norm on the q slice of a fused qkv projection (a strided 3-D view).
+    heads, kv_heads, head_dim = QWEN3["heads"], QWEN3["kv_heads"], QWEN3["head_dim"]
+    head_weight = torch.randn(head_dim, device=device, dtype=DTYPE, generator=gen)
+    for tokens in (1, 256, 8192):
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, dtype=DTYPE,
+                          generator=gen)
+        q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+        out = torch.full((tokens, heads, head_dim), float("nan"), device=device, dtype=DTYPE)
+
+        def run_qk(q=q, out=out) -> None:
+            norm.rmsnorm(q, head_weight, 1e-6, out=out)
+
+        def cmp_qk(q=q, out=out):
+            return [("out", out, norm.rmsnorm_reference(q, head_weight, 1e-6))]
+
+        yield Case("rmsnorm", f"per-head q T={tokens} {heads}x{head_dim} (strided)",
+                   {"tokens": tokens, "heads": heads, "n": head_dim}, run_qk, cmp_qk,
+                   lambda out=out: out.fill_(float("nan")),
+                   bytes_moved=2 * out.numel() * out.element_size())
+
+
+def _rotary_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    heads, kv_heads, head_dim = QWEN3["heads"], QWEN3["kv_heads"], QWEN3["head_dim"]
+    max_pos = 40960
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, device=device).float(), inv_freq)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    for tokens in (1, 256, 8192):
+        qkv0 = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, dtype=DTYPE,
+                           generator=gen)
+        qkv = qkv0.clone()
+        q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+        pos = torch.randint(0, max_pos, (tokens,), device=device, generator=gen)
+        elt = qkv.element_size()
+
+        def prep(qkv=qkv, qkv0=qkv0) -> None:
+            qkv.copy_(qkv0)
+
+        def run_rope(pos=pos, q=q, k=k) -> None:
+            rotary.apply_rotary(pos, q, k, cos_sin)
+
+        def cmp_rope(pos=pos, q=q, k=k, qkv0=qkv0, tokens=tokens):
+            q0 = qkv0[:, : heads * head_dim].view(tokens, heads, head_dim)
+            k0 = qkv0[:, heads * head_dim : (heads + kv_heads) * head_dim].view(
+                tokens, kv_heads, head_dim)
+            rq, rk = rotary.apply_rotary_reference(pos, q0, k0, cos_sin)
+            return [("q", q, rq), ("k", k, rk)]
+
+        rope_bytes = 2 * (heads + kv_heads) * head_dim * tokens * elt + tokens * head_dim * 4
+        yield Case("apply_rotary", f"T={tokens}", {"tokens": tokens}, run_rope, cmp_rope, prep,
+                   bytes_moved=rope_bytes)
+
+        num_blocks = math.ceil(tokens / BLOCK_SIZE) + 4
+        cache = torch.full((2, num_blocks, BLOCK_SIZE, kv_heads, head_dim), float("nan"),
+                           device=device, dtype=DTYPE)
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device, generator=gen)[:tokens]
+
+        def prep_store(qkv=qkv, qkv0=qkv0, cache=cache) -> None:
+            qkv.copy_(qkv0)
+            cache.fill_(float("nan"))
+
+        def run_store(pos=pos, q=q, k=k, v=v, cache=cache, slots=slots) -> None:
+            rotary.rope_and_store_kv(pos, q, k, v, cos_sin, cache, slots)
+
+        def cmp_store(pos=pos, q=q, k=k, qkv0=qkv0, cache=cache, slots=slots, tokens=tokens):
+            q0 = qkv0[:, : heads * head_dim].view(tokens, heads, head_dim)
+            k0 = qkv0[:, heads * head_dim : (heads + kv_heads) * head_dim].view(
+                tokens, kv_heads, head_dim)
+            v0 = qkv0[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+            ref_cache = torch.full_like(cache, float("nan"))
+            rq, rk = rotary.rope_and_store_kv_reference(pos, q0, k0, v0, cos_sin, ref_cache, slots)
+            flat, ref_flat = cache.flatten(1, 2), ref_cache.flatten(1, 2)
+            return [("q", q, rq), ("k", k, rk), ("cache_slots", flat[:, slots], ref_flat[:, slots]),
+                    ("cache_untouched_nan", torch.isnan(cache).float(), torch.isnan(ref_cache).float())]
+
+        yield Case("rope_and_store_kv", f"T={tokens}", {"tokens": tokens}, run_store, cmp_store,
+                   prep_store, bytes_moved=rope_bytes + 3 * kv_heads * head_dim * tokens * elt)
+
+        kv_cache = torch.full_like(cache, float("nan"))
+
+        def run_kv(k=k, v=v, kv_cache=kv_cache, slots=slots) -> None:
+            kv_store.store_kv(k, v, kv_cache, slots)
+
+        def cmp_kv(k=k, v=v, kv_cache=kv_cache, slots=slots):
+            ref_cache = torch.full_like(kv_cache, float("nan"))
+            kv_store.store_kv_reference(k, v, ref_cache, slots)
+            flat, ref_flat = kv_cache.flatten(1, 2), ref_cache.flatten(1, 2)
+            return [("cache_slots", flat[:, slots], ref_flat[:, slots]),
+                    ("cache_untouched_nan", torch.isnan(kv_cache).float(),
+                     torch.isnan(ref_cache).float())]
+
+        yield Case("store_kv", f"T={tokens}", {"tokens": tokens}, run_kv, cmp_kv,
+                   lambda kv_cache=kv_cache: kv_cache.fill_(float("nan")),
+                   bytes_moved=4 * kv_heads * head_dim * tokens * elt)
+
+
+def _activation_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    inter = QWEN3["inter"]
+    for tokens in (1, 256, 8192) if quick else (1, 32, 256, 2048, 8192):
+        x = torch.randn(tokens, 2 * inter, device=device, dtype=DTYPE, generator=gen)
+        out = torch.full((tokens, inter), float("nan"), device=device, dtype=DTYPE)
+
+        def run(x=x, out=out) -> None:
+            activation.silu_and_mul(x, out=out)
+
+        def cmp(x=x, out=out):
+            return [("out", out, activation.silu_and_mul_reference(x))]
+
+        yield Case("silu_and_mul", f"T={tokens} I={inter}", {"tokens": tokens, "inter": inter},
+                   run, cmp, lambda out=out: out.fill_(float("nan")),
+                   bytes_moved=3 * out.numel() * out.element_size())
+
+
+def _sampling_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    vocab = QWEN3["vocab"]
+    for rows in (1, 32, 256):
+        logits = torch.randn(rows, vocab, device=device, generator=gen) * 4
+        # A mix per row: every filter alone, all together, and off.
+        choice = torch.arange(rows, device=device) % 5
+        top_k = torch.where((choice == 0) | (choice == 3), 50, 0).to(torch.int32)
+        top_p = torch.where((choice == 1) | (choice == 3), 0.9, 1.0).float()
+        min_p = torch.where((choice == 2) | (choice == 3), 0.05, 0.0).float()
+        out = torch.full_like(logits, float("nan"))
+
+        def run(logits=logits, top_k=top_k, top_p=top_p, min_p=min_p, out=out) -> None:
+            sampling.apply_top_k_top_p_min_p(logits, top_k, top_p, min_p, out=out)
+
+        def ref_only(logits=logits, top_k=top_k, top_p=top_p, min_p=min_p) -> None:
+            sampling.apply_top_k_top_p_min_p_reference(logits, top_k, top_p, min_p)
+
+        def cmp(logits=logits, top_k=top_k, top_p=top_p, min_p=min_p, out=out):
+            ref = sampling.apply_top_k_top_p_min_p_reference(logits, top_k, top_p, min_p)
+            return [("kept_mask", torch.isfinite(out).float(), torch.isfinite(ref).float()),
+                    ("kept_values", torch.where(torch.isfinite(ref), out, 0.0),
+                     torch.where(torch.isfinite(ref), ref, 0.0))]
+
+        yield Case("apply_top_k_top_p_min_p", f"B={rows} V={vocab}", {"rows": rows, "vocab": vocab},
+                   run, cmp, lambda out=out: out.fill_(float("nan")),
+                   bytes_moved=2 * logits.numel() * 4,
+                   extra_timings={"sort_reference": ref_only}, exact_fraction=True)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _time(fn: Callable[[], None], warmup: int, iters: int, calls_per_graph: int) -> dict[str, Any]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples: list[float] = []
+    mode = "cuda_graph"
+    graph_error = None
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls_per_graph):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+    except Exception as exc:  # noqa: BLE001 - capture failures are reported, then eager timing
+        graph_error = f"{type(exc).__name__}: {exc}"
+        mode = "eager"
+        samples = []
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            start.record()
+            for _ in range(calls_per_graph):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+    samples.sort()
+    return {
+        "mode": mode,
+        "graph_error": graph_error,
+        "median_us": statistics.median(samples),
+        "p10_us": samples[len(samples) // 10],
+        "p90_us": samples[(len(samples) * 9) // 10],
+        "iters": iters,
+        "calls_per_sample": calls_per_graph,
+    }
+
+
+def _check(case: Case) -> dict[str, Any]:
+    case.prepare()
+    case.run()
+    torch.cuda.synchronize()
+    checks: dict[str, Any] = {}
+    ok = True
+    for label, out, ref in case.compare():
+        if label.endswith("_nan") or case.exact_fraction:
+            mismatched = (out != ref).sum().item()
+            frac = mismatched / max(1, out.numel())
+            # Sampling masks may differ only on float-rounding ties at a threshold.
+            passed = frac <= (1e-5 if case.exact_fraction else 0.0)
+            checks[label] = {"mismatched": mismatched, "fraction": frac, "ok": passed}
+        else:
+            nan = torch.isnan(out).sum().item()
+            err = _rel_err(out, ref)
+            passed = nan == 0 and err <= TOLERANCE and not math.isnan(err)
+            checks[label] = {"nan": nan, "max_rel_err": err, "ok": passed}
+        ok = ok and passed
+    return {"ok": ok, "checks": checks}
+
+
+def _run_case(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    record: dict[str, Any] = {"kernel": case.kernel, "case": case.name, "params": case.params,
+                              "bytes_moved": case.bytes_moved, "flops": case.flops}
+    try:
+        t0 = time.perf_counter()
+        record.update(_check(case))
+        record["check_seconds"] = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - one failing kernel must not stop the others
+        record.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        return record
+    try:
+        calls = 1 if case.bytes_moved > 256 << 20 else 10
+        timing = _time(case.run, args.warmup, args.iters, calls)
+        record["timing"] = timing
+        seconds = timing["median_us"] * 1e-6
+        record["gbps"] = case.bytes_moved / seconds / 1e9 if seconds > 0 else None
+        record["tflops"] = case.flops / seconds / 1e12 if case.flops and seconds > 0 else None
+        for label, fn in case.extra_timings.items():
+            record[f"{label}_timing"] = _time(fn, 3, max(5, args.iters // 4), 1)
+    except Exception as exc:  # noqa: BLE001
+        record.update(timing_error=f"{type(exc).__name__}: {exc}",
+                      traceback=traceback.format_exc())
+    return record
+
+
+def _copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy bandwidth (GB/s, read + write), the practical ceiling here."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * 10 * src.numel() / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def _table(results: list[dict[str, Any]], copy_gbps: float | None) -> str:
+    lines = [
+        "| kernel | case | ok | max rel err | median µs | GB/s | % copy BW | TFLOP/s | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        errs = [c.get("max_rel_err", c.get("fraction")) for c in r.get("checks", {}).values()]
+        err = max((e for e in errs if e is not None), default=float("nan"))
+        t = r.get("timing", {})
+        med = t.get("median_us")
+        gbps = r.get("gbps")
+        notes = []
+        if r.get("error"):
+            notes.append(r["error"][:80])
+        if r.get("timing_error"):
+            notes.append("timing: " + r["timing_error"][:60])
+        if t.get("mode") == "eager":
+            notes.append("eager (graph capture failed)")
+        if "sort_reference_timing" in r:
+            notes.append(f"sort ref {r['sort_reference_timing']['median_us']:.1f} µs")
+        if "num_splits" in r.get("params", {}):
+            notes.append(f"splits={r['params']['num_splits']}")
+        lines.append(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+                r["kernel"], r["case"], "yes" if r.get("ok") else "**NO**",
+                f"{err:.2e}" if not math.isnan(err) else "-",
+                f"{med:.1f}" if med is not None else "-",
+                f"{gbps:.0f}" if gbps else "-",
+                f"{100 * gbps / copy_gbps:.0f}%" if gbps and copy_gbps else "-",
+                f"{r['tflops']:.1f}" if r.get("tflops") else "-",
+                "; ".join(notes),
+            )
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="directory for the JSON + table")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--only", default="", help="run kernels whose name contains this")
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    meta: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "quick": args.quick, "tolerance": TOLERANCE}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError as exc:
+        meta["triton"] = f"unavailable: {exc}"
+    results: list[dict[str, Any]] = []
+    copy_gbps = None
+    if not torch.cuda.is_available():
+        meta["error"] = "no CUDA/ROCm device visible to torch"
+    else:
+        device = torch.device("cuda")
+        props = torch.cuda.get_device_properties(device)
+        meta.update(device=props.name, sms=props.multi_processor_count,
+                    memory_gib=props.total_memory / 2**30)
+        try:
+            copy_gbps = _copy_bandwidth(device)
+            meta["copy_gbps"] = copy_gbps
+        except Exception as exc:  # noqa: BLE001
+            meta["copy_gbps_error"] = str(exc)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(args.seed)
+        families = [_decode_cases, _prefill_cases, _norm_cases, _rotary_cases, _activation_cases,
+                    _sampling_cases]
+        for family in families:
+            cases = family(args.quick, device, gen)
+            while True:
+                try:
+                    case = next(cases)
+                except StopIteration:
+                    break
+                except Exception as exc:  # noqa: BLE001 - building a case failed
+                    results.append({"kernel": family.__name__, "case": "setup", "ok": False,
+                                    "error": f"{type(exc).__name__}: {exc}",
+                                    "traceback": traceback.format_exc()})
+                    break
+                if args.only and args.only not in case.kernel:
+                    continue
+                record = _run_case(case, args)
+                results.append(record)
+                print(f"{record['kernel']:<26} {record['case']:<44} ok={record.get('ok')} "
+                      f"{record.get('timing', {}).get('median_us', float('nan')):.1f} us",
+                      file=sys.stderr, flush=True)
+                del case
+                torch.cuda.empty_cache()
+
+    report = {"meta": meta, "results": results}
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    table = _table(results, copy_gbps)
+    header = ", ".join(f"{k}={v}" for k, v in meta.items() if k in ("device", "torch", "triton",
+                                                                      "copy_gbps"))
+    (args.out / "gpu_check.md").write_text(f"# Kernel GPU check\n\n{header}\n\n{table}\n")
+    print(table)
+    failed = [r for r in results if not r.get("ok")]
+    return 1 if failed or "error" in meta else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules for the tandem.v1 contracts."""

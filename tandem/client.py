@@ -1,0 +1,99 @@
+"""A small synchronous Python client for the public `tandem.v1.Frontend` service.
+
+    client = TandemClient("127.0.0.1:50051")
+    reply = client.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=32)
+    print(reply.choices[0].text)
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import grpc
+from google.protobuf import json_format
+
+from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+
+SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+    "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+)
+REQUEST_FIELDS = (
+    "request_id", "stop", "include_stop_str_in_output", "n", "skip_special_tokens", "model",
+    "add_generation_prompt", "return_prompt_token_ids",
+)
+
+
+def build_request(
+    prompt: str | None = None,
+    messages: list[dict] | None = None,
+    prompt_token_ids: list[int] | None = None,
+    kv_transfer_params: dict | None = None,
+    **kwargs,
+) -> frontend_pb2.GenerateRequest:
+    """Builds a GenerateRequest; keyword arguments are sampling or request fields by name."""
+    req = frontend_pb2.GenerateRequest()
+    if prompt is not None:
+        req.prompt = prompt
+    for m in messages or []:
+        req.messages.add(role=m["role"], content=m["content"])
+    if prompt_token_ids is not None:
+        req.prompt_token_ids.extend(prompt_token_ids)
+    if kv_transfer_params is not None:
+        json_format.ParseDict(kv_transfer_params, req.kv_transfer_params)
+    for key, value in kwargs.items():
+        if value is None:
+            continue
+        if key in SAMPLING_FIELDS:
+            target = req.sampling
+        elif key in REQUEST_FIELDS:
+            target = req
+        else:
+            raise TypeError(f"unknown request field {key!r}")
+        if isinstance(value, (list, tuple)):
+            getattr(target, key).extend(value)
+        else:
+            setattr(target, key, value)
+    return req
+
+
+class TandemClient:
+    """Blocking client: generate, chat, stream and utility calls against a frontend."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", credentials: grpc.ChannelCredentials | None = None,
+                 metadata: list[tuple[str, str]] | None = None) -> None:
+        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        self.channel = (
+            grpc.secure_channel(address, credentials, options=options)
+            if credentials is not None
+            else grpc.insecure_channel(address, options=options)
+        )
+        self.stub = frontend_pb2_grpc.FrontendStub(self.channel)
+        self.metadata = metadata
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "TandemClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, prompt: str | None = None, timeout: float | None = None, **kwargs) -> frontend_pb2.GenerateResponse:
+        return self.stub.Generate(build_request(prompt=prompt, **kwargs), timeout=timeout, metadata=self.metadata)
+
+    def chat(self, messages: list[dict], timeout: float | None = None, **kwargs) -> frontend_pb2.GenerateResponse:
+        return self.stub.Generate(build_request(messages=messages, **kwargs), timeout=timeout, metadata=self.metadata)
+
+    def stream(self, prompt: str | None = None, timeout: float | None = None, **kwargs) -> Iterator[frontend_pb2.GenerateStreamResponse]:
+        """Returns the call itself: iterate it for messages; `.cancel()` aborts the request."""
+        return self.stub.Stream(build_request(prompt=prompt, **kwargs), timeout=timeout, metadata=self.metadata)
+
+    def utility(self, command: str, request_id: str = "", timeout: float | None = 30.0) -> dict:
+        """Runs a Utility command by name (health, model_info, abort, stats, flush_prefix_cache, ...)."""
+        value = common_pb2.UtilityCommand.Value("UTILITY_COMMAND_" + command.upper())
+        resp = self.stub.Utility(
+            common_pb2.UtilityRequest(command=value, request_id=request_id), timeout=timeout, metadata=self.metadata
+        )
+        return json_format.MessageToDict(resp.result)

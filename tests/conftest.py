@@ -1,0 +1,137 @@
+"""Shared fixtures: the real SmolLM2 model (converted once), its Hugging Face twin, and real
+`tandem` server processes on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, service: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    channel = grpc.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} before becoming ready")
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{service} at {address} not serving after {timeout}s")
+    finally:
+        channel.close()
+
+
+class ServerProcess:
+    """A `tandem` subcommand in its own process (real gRPC, real model)."""
+
+    def __init__(self, args: list[str], env: dict | None = None) -> None:
+        self.args = args
+        full_env = dict(os.environ)
+        full_env.setdefault("TANDEM_LOG_LEVEL", "warning")
+        full_env.update(env or {})
+        # -P: never let the working directory shadow installed packages.
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "tandem.cli", *args], env=full_env, cwd="/")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_serve(extra: list[str] | None = None, timeout: float = 300.0) -> tuple[ServerProcess, str, str]:
+    """Starts `tandem serve` (engine child + frontend); returns (process, frontend, engine) addresses."""
+    fport, eport = free_port(), free_port()
+    server = ServerProcess(
+        ["serve", "--host", "127.0.0.1", "--port", str(fport), "--engine-port", str(eport), *(extra or [])]
+    )
+    frontend, engine = f"127.0.0.1:{fport}", f"127.0.0.1:{eport}"
+    try:
+        wait_serving(frontend, "tandem.v1.Frontend", timeout, server.proc)
+    except Exception:
+        server.stop(signal.SIGKILL)
+        raise
+    return server, frontend, engine
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a Hugging Face directory (converted once, cached)."""
+    from tandem.engine_service.loader import resolve_model
+
+    return Path(resolve_model("smollm2-135m-instruct", None).path)
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def serve(smollm2_dir):
+    """One `tandem serve` with the default model for the integration tests that share it."""
+    server, frontend, engine = start_serve()
+    yield {"frontend": frontend, "engine": engine, "process": server}
+    server.stop()
+
+
+@pytest.fixture
+def client(serve):
+    from tandem.client import TandemClient
+
+    with TandemClient(serve["frontend"]) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def launch_serve(smollm2_dir):
+    """Factory for extra `tandem serve` processes with their own flags; all stopped at the end."""
+    started: list[ServerProcess] = []
+
+    def launch(extra: list[str]) -> tuple[ServerProcess, str, str]:
+        server, frontend, engine = start_serve(extra)
+        started.append(server)
+        return server, frontend, engine
+
+    yield launch
+    for s in started:
+        s.stop()

@@ -1,0 +1,42 @@
+"""Acceptance 1: the default model served over gRPC answers a real question."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tandem.v1 import common_pb2
+
+
+def test_chat_capital_of_france_over_grpc(client):
+    reply = client.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=32, temperature=0.0)
+    choice = reply.choices[0]
+    assert "Paris" in choice.text
+    assert choice.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    assert reply.usage.prompt_tokens > 10
+    assert reply.usage.completion_tokens == len(choice.token_ids)
+    assert reply.request_id  # generated when the client gives none
+    assert reply.timings.latency >= reply.timings.ttft > 0
+
+
+def test_chat_cli_against_running_server(serve):
+    out = subprocess.run(
+        [sys.executable, "-P", "-m", "tandem.cli", "chat", "What is the capital of France?", "--address",
+         serve["frontend"], "--max-tokens", "32", "--temperature", "0"],
+        capture_output=True, text=True, timeout=120, cwd="/",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_request_id_is_echoed(client):
+    reply = client.generate("Hello", max_tokens=2, temperature=0.0, request_id="client-abc-1")
+    assert reply.request_id == "client-abc-1"
+
+
+def test_model_info_and_health(client):
+    info = client.utility("model_info")
+    assert info["vocab_size"] >= 49152
+    assert info["max_model_len"] > 0
+    health = client.utility("health")
+    assert health["status"] == "SERVING"

@@ -1,0 +1,319 @@
+"""BlockManager: block accounting, ref counts, chained prefix hashes, LRU eviction, rollback."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine_service.kv_cache import BlockManager, hash_block
+from tandem.engine_service.sequence import SamplingParams, Sequence
+
+BS = 4
+
+
+def make_seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams())
+
+
+def prefill(bm: BlockManager, seq: Sequence) -> int:
+    """Admit `seq` the way the scheduler does and pretend the model wrote all its K/V."""
+    hits = bm.match_prefix(seq)
+    assert bm.allocate(seq, seq.num_tokens - hits)
+    assert seq.num_computed_tokens == hits
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit(seq)
+    return hits
+
+
+def naive_hits(cached_token_lists: list[list[int]], prompt: list[int], bs: int = BS) -> int:
+    """Reference: longest block-aligned common prefix with any cached sequence, never all of it."""
+    best = 0
+    for cached in cached_token_lists:
+        n = 0
+        while (
+            n + bs <= len(cached)
+            and n + bs <= len(prompt)
+            and cached[n : n + bs] == prompt[n : n + bs]
+        ):
+            n += bs
+        best = max(best, n)
+    return min(best, (len(prompt) - 1) // bs * bs)
+
+
+def ref_counts_from_tables(bm: BlockManager, seqs: list[Sequence]) -> list[int]:
+    counts = [0] * bm.num_blocks
+    for s in seqs:
+        for b in s.block_table:
+            counts[b] += 1
+    return counts
+
+
+def test_allocate_and_free_accounting() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    seq = make_seq("a", list(range(10)))
+    assert bm.num_blocks_needed(seq, 10) == 3
+    assert bm.allocate(seq, 10)
+    assert len(seq.block_table) == 3 and len(set(seq.block_table)) == 3
+    assert bm.num_used_blocks == 3
+    assert bm.get_num_free_blocks() == 5
+    assert bm.usage == pytest.approx(3 / 8)
+    seq.num_computed_tokens = 10
+    bm.commit(seq)
+    # 10 -> 11 tokens still fits in 3 blocks; 12 -> 13 needs a fourth.
+    assert bm.num_blocks_needed(seq, 1) == 0
+    assert bm.allocate(seq, 1)
+    assert len(seq.block_table) == 3
+    seq.num_computed_tokens = 12
+    assert bm.num_blocks_needed(seq, 1) == 1
+    assert bm.allocate(seq, 1)
+    assert len(seq.block_table) == 4
+    assert bm.slot(seq, 13) == seq.block_table[3] * BS + 1
+    bm.free(seq)
+    assert seq.block_table == [] and seq.block_hashes == []
+    assert bm.num_used_blocks == 0 and bm.get_num_free_blocks() == 8
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_shared_prefix_ref_counts() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    base = list(range(100, 109))  # 2 full blocks + 1 token
+    a = make_seq("a", base)
+    assert prefill(bm, a) == 0
+    b = make_seq("b", base[:8] + [7, 7, 7])
+    assert prefill(bm, b) == naive_hits([a.token_ids], b.token_ids) == 8
+    assert b.num_cached_prompt_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    assert [bm.blocks[i].ref_count for i in range(16)] == ref_counts_from_tables(bm, [a, b])
+    assert bm.num_used_blocks == 4
+    bm.free(a)
+    assert [bm.blocks[i].ref_count for i in range(16)] == ref_counts_from_tables(bm, [b])
+    assert bm.num_used_blocks == 3
+    bm.free(b)
+    assert bm.num_used_blocks == 0 and bm.get_num_free_blocks() == 16
+    # Still cached after release.
+    assert bm.match_prefix(make_seq("c", base)) == 8
+
+
+def test_chained_hash_needs_matching_parent() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    prefill(bm, a)
+    # Same second block after a different first block: no hit at all.
+    other_head = [9, 9, 9, 9, 5, 6, 7, 8, 0]
+    assert bm.match_prefix(make_seq("c", other_head)) == 0 == naive_hits([a.token_ids], other_head)
+    # Same first block, different second block: only the first hits.
+    other_tail = [1, 2, 3, 4, 5, 6, 7, 0, 0]
+    assert bm.match_prefix(make_seq("d", other_tail)) == 4 == naive_hits([a.token_ids], other_tail)
+    # The hash itself depends on the parent, and on the root/child distinction.
+    assert hash_block(None, [5, 6, 7, 8]) != hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8])
+    assert hash_block(None, [1, 2, 3, 4]) == hash_block(None, (1, 2, 3, 4))
+    assert hash_block(None, [1, 2, 3, 4]) != hash_block(None, [1, 2, 3, 5])
+
+
+def test_never_the_whole_prompt() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_seq("a", list(range(8)))
+    a.append_token(50)
+    a.append_token(51)
+    prefill(bm, a)  # 10 tokens: blocks 0 and 1 full and cached
+    same = make_seq("b", list(range(8)))
+    # Both full blocks are cached, but the last prompt token must be computed.
+    assert bm.match_prefix(same) == 4
+    assert bm.allocate(same, 4)
+    assert same.num_computed_tokens == 4 < same.num_prompt_tokens
+    longer = make_seq("c", list(range(8)) + [50])
+    assert bm.match_prefix(longer) == 8
+    assert bm.match_prefix(make_seq("d", list(range(3)))) == 0
+
+
+def test_recompute_hits_prompt_and_output() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_seq("a", list(range(6)))
+    prefill(bm, a)
+    for t in (60, 61, 62):  # decode three tokens, writing K/V of all but the last
+        a.append_token(t)
+        assert bm.allocate(a, a.num_uncomputed_tokens)
+        a.num_computed_tokens = a.num_tokens
+        bm.commit(a)
+    a.append_token(63)  # 10 tokens, 9 computed
+    assert a.num_cached_prompt_tokens == 0
+    bm.free(a)
+    a.num_computed_tokens = 0
+    # Recompute: blocks 0 and 1 (prompt + first outputs) come back from the cache.
+    assert bm.match_prefix(a) == 8
+    assert bm.allocate(a, 2)
+    assert a.num_computed_tokens == 8
+    assert a.num_cached_prompt_tokens == 0  # first-admission value is kept
+    assert len(a.block_table) == 3
+
+
+def test_lru_eviction_order_tail_first() -> None:
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    a = make_seq("a", [1] * 4 + [2] * 4 + [3])
+    b = make_seq("b", [4] * 4 + [5] * 4 + [6])
+    prefill(bm, a)
+    bm.free(a)
+    prefill(bm, b)
+    bm.free(b)
+    assert bm.num_cached_blocks == 4 and bm.get_num_free_blocks() == 6
+    probe_a = make_seq("pa", a.token_ids)
+    probe_b = make_seq("pb", b.token_ids)
+    assert (bm.match_prefix(probe_a), bm.match_prefix(probe_b)) == (8, 8)
+
+    # Two never-cached blocks are used first, then the oldest cached: a's tail block.
+    x = make_seq("x", list(range(200, 212)))
+    assert bm.allocate(x, 12)
+    assert (bm.match_prefix(probe_a), bm.match_prefix(probe_b)) == (4, 8)
+    y = make_seq("y", list(range(300, 304)))
+    assert bm.allocate(y, 4)
+    assert (bm.match_prefix(probe_a), bm.match_prefix(probe_b)) == (0, 8)
+    z = make_seq("z", list(range(400, 404)))
+    assert bm.allocate(z, 4)
+    assert (bm.match_prefix(probe_a), bm.match_prefix(probe_b)) == (0, 4)
+
+
+def test_hit_refreshes_lru_position() -> None:
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq("a", [1] * 4 + [2])
+    b = make_seq("b", [3] * 4 + [4])
+    prefill(bm, a)
+    bm.free(a)
+    prefill(bm, b)
+    bm.free(b)
+    # Reuse a's cached block: it becomes the most recently used.
+    a2 = make_seq("a2", [1] * 4 + [9])
+    assert prefill(bm, a2) == 4
+    bm.free(a2)
+    # Take every free-list block (the unhashed tails) plus exactly one cached block.
+    x = make_seq("x", list(range(100, 100 + 4 * (bm.num_free_blocks - 1))))
+    assert bm.allocate(x, x.num_tokens)
+    assert bm.match_prefix(make_seq("pb", [3] * 4 + [0])) == 0  # b's block was older: evicted
+    assert bm.match_prefix(make_seq("pa", [1] * 4 + [0])) == 4
+
+
+def test_failed_allocation_changes_nothing() -> None:
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    x = make_seq("x", list(range(9)))
+    prefill(bm, x)
+    bm.free(x)  # blocks 0,1 cached and evictable; block 2 free
+    y = make_seq("y", [77] * 4)
+    assert bm.allocate(y, 4)  # takes the never-used block
+    queries, hits = bm.prefix_queries, bm.prefix_hits
+    refs = [blk.ref_count for blk in bm.blocks]
+    free_before = bm.get_num_free_blocks()
+
+    z = make_seq("z", list(range(8)) + list(range(500, 510)))  # 2 hit blocks + 3 new needed
+    assert bm.match_prefix(z) == 8
+    assert bm.num_blocks_needed(z, 10) == 3
+    assert not bm.can_allocate(z, 10)
+    assert not bm.allocate(z, 10)
+    assert z.block_table == [] and z.block_hashes == []
+    assert z.num_computed_tokens == 0 and z.num_cached_prompt_tokens is None
+    assert [blk.ref_count for blk in bm.blocks] == refs
+    assert bm.get_num_free_blocks() == free_before
+    assert (bm.prefix_queries, bm.prefix_hits) == (queries, hits)
+    assert bm.match_prefix(z) == 8  # the cached blocks were not evicted by the attempt
+
+    # A chunk that fits: the two hits plus one new block.
+    assert bm.can_allocate(z, 4)
+    assert bm.allocate(z, 4)
+    assert z.num_computed_tokens == 8 and len(z.block_table) == 3
+    assert bm.get_num_free_blocks() == 0
+
+
+def test_duplicate_commit_keeps_first_mapping() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    prompt = list(range(9))
+    a, b = make_seq("a", prompt), make_seq("b", prompt)
+    # Both admitted before either wrote anything: no hits, private blocks.
+    assert bm.allocate(a, 9) and bm.allocate(b, 9)
+    for s in (a, b):
+        s.num_computed_tokens = 9
+        bm.commit(s)
+    assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 2
+    assert bm.num_cached_blocks == 2
+    assert [bm.blocks[i].hash is not None for i in b.block_table[:2]] == [False, False]
+    bm.free(a)
+    bm.free(b)
+    assert bm.get_num_free_blocks() == 8
+    c = make_seq("c", prompt)
+    assert prefill(bm, c) == 8
+    assert c.block_table[:2] == registered_block_ids(bm, prompt)
+
+
+def registered_block_ids(bm: BlockManager, prompt: list[int]) -> list[int]:
+    """Block ids registered for the first two blocks of `prompt`, recomputed independently."""
+    h0 = hash_block(None, prompt[:4])
+    h1 = hash_block(h0, prompt[4:8])
+    ids = {blk.hash: blk.block_id for blk in bm.blocks if blk.hash is not None}
+    return [ids[h0], ids[h1]]
+
+
+def test_reset_prefix_cache() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_seq("a", list(range(9)))
+    prefill(bm, a)
+    bm.free(a)
+    running = make_seq("r", [5] * 9)
+    prefill(bm, running)
+    assert bm.num_cached_blocks == 4
+    used = bm.num_used_blocks
+    assert bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 0
+    assert bm.match_prefix(make_seq("p", a.token_ids)) == 0
+    assert bm.match_prefix(make_seq("q", running.token_ids)) == 0
+    assert bm.num_used_blocks == used
+    # The running sequence keeps working and caching its new blocks.
+    running.append_token(1)
+    running.append_token(2)
+    assert bm.allocate(running, 2)
+    running.num_computed_tokens = 11
+    bm.commit(running)
+    bm.free(running)
+    assert bm.get_num_free_blocks() == 8
+    assert bm.match_prefix(make_seq("q2", running.token_ids)) == 0  # parent block 0 is gone
+
+
+def test_counters() -> None:
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    cached: list[list[int]] = []
+    prompts = [list(range(10)), list(range(10)), list(range(6)) + [9, 9, 9], list(range(12)), [3, 3]]
+    expected_q = expected_h = 0
+    for i, p in enumerate(prompts):
+        s = make_seq(str(i), p)
+        hits = prefill(bm, s)
+        assert hits == naive_hits(cached, p)
+        assert s.num_cached_prompt_tokens == hits
+        expected_q += len(p)
+        expected_h += hits
+        cached.append(p)
+    assert (bm.prefix_queries, bm.prefix_hits) == (expected_q, expected_h)
+
+
+def test_prefix_caching_disabled() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False)
+    a = make_seq("a", list(range(9)))
+    prefill(bm, a)
+    assert a.block_hashes == [] and bm.num_cached_blocks == 0
+    bm.free(a)
+    assert bm.match_prefix(make_seq("b", list(range(9)))) == 0
+    assert (bm.prefix_queries, bm.prefix_hits) == (0, 0)
+    assert bm.get_num_free_blocks() == 8
+
+
+def test_block_token_counts_and_double_free() -> None:
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    s = make_seq("s", list(range(6)))
+    assert bm.allocate(s, 3)
+    s.num_computed_tokens = 3
+    bm.commit(s)
+    assert [bm.blocks[b].num_tokens for b in s.block_table] == [3]
+    assert bm.allocate(s, 3)
+    s.num_computed_tokens = 6
+    bm.commit(s)
+    assert [bm.blocks[b].num_tokens for b in s.block_table] == [4, 2]
+    table = list(s.block_table)
+    bm.free(s)
+    s.block_table = table
+    with pytest.raises(RuntimeError):
+        bm.free(s)

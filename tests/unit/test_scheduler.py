@@ -1,0 +1,405 @@
+"""Scheduler: token budget, chunked prefill, ordering, preemption, aborts, prefix hits.
+
+A fake model stands in for the runner: its "KV cache" stores (position, token id) per slot, so
+every step checks that the context a sequence attends to (prefix hits included) really holds
+that sequence's tokens, and that no step writes into a block another sequence shares.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from tandem.engine_service.config import SchedulerConfig
+from tandem.engine_service.kv_cache import BlockManager
+from tandem.engine_service.scheduler import (
+    EXCEEDS_MAX_MODEL_LEN,
+    KV_CACHE_TOO_SMALL,
+    Scheduler,
+    ScheduledSeq,
+    SchedulerOutput,
+)
+from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+
+BS = 4
+
+
+def fake_token(seq: Sequence) -> int:
+    """Deterministic next token, a function of the request id and output index only."""
+    return (sum(map(ord, seq.request_id)) * 7 + seq.num_output_tokens * 13) % 50 + 1000
+
+
+class FakeModel:
+    """Writes (position, token) into the slots of scheduled tokens and checks the context."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self.kv: dict[int, tuple[int, int]] = {}
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> None:
+        written: set[int] = set()
+        for item in scheduled:
+            seq = item.seq
+            tokens = seq.token_ids
+            start = seq.num_computed_tokens
+            assert start + item.num_new_tokens <= seq.num_tokens
+            assert len(seq.block_table) * BS >= start + item.num_new_tokens
+            for p in range(start):
+                assert self.kv.get(self.bm.slot(seq, p)) == (p, tokens[p]), (seq, p)
+            for p in range(start, start + item.num_new_tokens):
+                slot = self.bm.slot(seq, p)
+                assert slot not in written
+                assert self.bm.blocks[slot // BS].ref_count == 1, "writing into a shared block"
+                written.add(slot)
+                self.kv[slot] = (p, tokens[p])
+
+
+class Driver:
+    """schedule -> fake model -> append tokens, stop like check_stop (length only) -> update."""
+
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        budget: int = 64,
+        max_num_seqs: int = 16,
+        chunked: bool = True,
+        caching: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        )
+        # Without chunked prefill the scheduler requires max_model_len <= the step budget.
+        self.max_model_len = max_model_len or (10_000 if chunked else budget)
+        self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+        self.sched = Scheduler(self.config, self.bm, self.max_model_len)
+        self.model = FakeModel(self.bm)
+        self.seqs: dict[str, Sequence] = {}
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 4) -> Sequence:
+        seq = Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens))
+        self.seqs[rid] = seq
+        self.sched.add(seq)
+        return seq
+
+    def expected_len(self, seq: Sequence) -> int:
+        return min(seq.params.max_tokens, self.max_model_len - seq.num_prompt_tokens)
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len({id(s.seq) for s in out.scheduled}) == len(out.scheduled)
+        for item in out.scheduled:
+            assert item.num_new_tokens > 0
+            assert item.sample == (item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens)
+        self.model.execute(out.scheduled)
+        for item in out.scheduled:
+            seq = item.seq
+            if item.sample:
+                seq.append_token(fake_token(seq))
+                if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                    seq.finish(FinishReason.LENGTH)
+        self.sched.update(out)
+        assert self.sched.num_running <= self.config.max_num_seqs
+        return out
+
+    def run(self, max_steps: int = 1000) -> int:
+        for n in range(max_steps):
+            if not self.sched.has_work():
+                return n
+            self.step()
+        raise AssertionError("scheduler did not drain")
+
+
+def expected_outputs(seq: Sequence, n: int) -> list[int]:
+    probe = Sequence(seq.request_id, [0], SamplingParams())
+    out = []
+    for _ in range(n):
+        t = fake_token(probe)
+        probe.append_token(t)
+        out.append(t)
+    return out
+
+
+def check_invariants(d: Driver) -> None:
+    bm, sched = d.bm, d.sched
+    holders: Counter[int] = Counter()
+    for seq in sched.running:
+        assert seq.status == SequenceStatus.RUNNING
+        assert len(set(seq.block_table)) == len(seq.block_table)
+        assert len(seq.block_table) * BS >= seq.num_computed_tokens
+        holders.update(seq.block_table)
+        for i, h in enumerate(seq.block_hashes):
+            blk = bm.blocks[seq.block_table[i]]
+            assert blk.hash in (None, h)  # unhashed only for a duplicate of a cached block
+    for seq in sched.waiting:
+        assert seq.status == SequenceStatus.WAITING
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+    for blk in bm.blocks:
+        assert blk.ref_count == holders[blk.block_id]
+        if holders[blk.block_id] > 1:
+            assert blk.hash is not None, "a block is shared only through the prefix cache"
+    assert sum(b.ref_count for b in bm.blocks) == sum(len(s.block_table) for s in sched.running)
+    assert bm.num_free_blocks == sum(1 for b in bm.blocks if b.ref_count == 0)
+    assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
+
+
+def test_chunked_prefill_samples_only_on_last_chunk() -> None:
+    d = Driver(budget=4)
+    seq = d.add("a", list(range(10)), max_tokens=2)
+    plan = []
+    while d.sched.has_work():
+        out = d.step()
+        plan.append([(s.num_new_tokens, s.sample) for s in out.scheduled])
+    assert plan == [[(4, False)], [(4, False)], [(2, True)], [(1, True)]]
+    assert seq.output_token_ids == expected_outputs(seq, 2)
+    assert seq.num_cached_prompt_tokens == 0
+    assert d.bm.num_used_blocks == 0
+
+
+def test_budget_fully_used_when_work_allows() -> None:
+    d = Driver(budget=7, caching=False)
+    rng = random.Random(0)
+    for i in range(6):
+        d.add(f"s{i}", [rng.randrange(100) for _ in range(rng.randint(3, 20))], max_tokens=rng.randint(1, 5))
+    while d.sched.has_work():
+        pending = sum(s.num_uncomputed_tokens for s in d.seqs.values() if not s.is_finished)
+        out = d.step()
+        assert out.num_batched_tokens == min(7, pending)
+    for s in d.seqs.values():
+        assert s.output_token_ids == expected_outputs(s, d.expected_len(s))
+
+
+def test_running_decodes_before_new_prefills() -> None:
+    d = Driver(budget=8)
+    a = d.add("a", [1, 2, 3], max_tokens=5)
+    d.step()
+    b = d.add("b", list(range(20)), max_tokens=1)
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens, s.sample) for s in out.scheduled] == [(a, 1, True), (b, 7, False)]
+
+
+def test_max_num_seqs() -> None:
+    d = Driver(max_num_seqs=2)
+    a = d.add("a", [1, 2], max_tokens=1)
+    b = d.add("b", [3, 4], max_tokens=3)
+    c = d.add("c", [5, 6], max_tokens=1)
+    out = d.step()
+    assert [s.seq for s in out.scheduled] == [a, b]
+    assert d.sched.num_waiting == 1 and d.sched.num_running == 1  # a finished at max_tokens=1
+    out = d.step()
+    assert [s.seq for s in out.scheduled] == [b, c]
+    d.run()
+    assert all(s.output_token_ids == expected_outputs(s, d.expected_len(s)) for s in (a, b, c))
+
+
+def test_without_chunked_prefill_whole_prompts_only() -> None:
+    d = Driver(budget=10, chunked=False)
+    a = d.add("a", list(range(6)), max_tokens=3)
+    b = d.add("b", list(range(50, 56)), max_tokens=2)
+    too_long = d.add("c", list(range(100, 111)), max_tokens=1)
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 6)]  # b does not fit in 4
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 6)]
+    # c reached the head of the queue; it is longer than max_model_len (= the budget here).
+    assert out.finished == [too_long]
+    assert too_long.finish_reason == FinishReason.ERROR and too_long.stop_reason == EXCEEDS_MAX_MODEL_LEN
+    d.run()
+    assert a.num_output_tokens == 3 and b.num_output_tokens == 2
+    assert d.bm.num_used_blocks == 0
+
+
+def test_unchunked_budget_must_cover_max_model_len() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    with pytest.raises(ValueError):
+        Scheduler(config, BlockManager(8, BS), max_model_len=17)
+    Scheduler(config, BlockManager(8, BS), max_model_len=16)
+
+
+def test_preempts_latest_arrivals_first() -> None:
+    d = Driver(num_blocks=4)
+    a = d.add("a", list(range(7)), max_tokens=4)
+    b = d.add("b", [9, 8, 7], max_tokens=3)
+    c = d.add("c", [6, 5, 4], max_tokens=3)
+    d.step()  # all prefill: 2 + 1 + 1 blocks, pool full
+    d.step()  # all decode inside their last block
+    late = d.add("late", [1, 2], max_tokens=1)
+    out = d.step()
+    # a needs a third block: c (the latest) yields. Then b needs a second block and is itself
+    # the latest running sequence left, so it yields too.
+    assert [s.seq for s in out.scheduled] == [a]
+    assert out.preempted == [c, b]
+    assert list(d.sched.waiting) == [b, c, late]  # back in arrival order, ahead of new work
+    for s in (b, c):
+        assert s.status == SequenceStatus.WAITING
+        assert s.block_table == [] and s.num_computed_tokens == 0 and s.num_preemptions == 1
+    assert d.sched.num_preemptions == 2
+    d.run()
+    for s in (a, b, c, late):
+        assert s.output_token_ids == expected_outputs(s, d.expected_len(s))
+    assert d.bm.num_used_blocks == 0
+
+
+def test_no_admission_in_a_step_that_preempted() -> None:
+    d = Driver(num_blocks=4, budget=9, caching=False)
+    a = d.add("a", list(range(4)), max_tokens=3)
+    b = d.add("b", list(range(10, 22)), max_tokens=2)
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 4), (b, 5)]
+    out = d.step()
+    # a takes the last free block; b's next chunk needs another and b is the latest: it
+    # yields. Its two freed blocks would hold an 8-token chunk, but memory is tight: no one
+    # is admitted this step.
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1)]
+    assert out.preempted == [b]
+    assert d.bm.num_used_blocks == 2
+    d.run()
+    assert b.output_token_ids == expected_outputs(b, 2)
+
+
+def test_preempts_itself_when_latest() -> None:
+    d = Driver(num_blocks=3)
+    a = d.add("a", list(range(6)), max_tokens=3)
+    b = d.add("b", [9, 8, 7], max_tokens=3)
+    d.step()
+    d.step()
+    out = d.step()  # b crosses into a second block first; it is the latest, so it yields
+    assert [s.seq for s in out.scheduled] == [a]
+    assert out.preempted == [b]
+    d.run()
+    assert a.output_token_ids == expected_outputs(a, 3)
+    assert b.output_token_ids == expected_outputs(b, 3)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_tiny_pool_with_preemption_completes(caching: bool) -> None:
+    d = Driver(num_blocks=8, budget=12, caching=caching)
+    rng = random.Random(7)
+    shared = [rng.randrange(30) for _ in range(8)]
+    for i in range(8):
+        prompt = shared[: rng.randint(0, 8)] + [rng.randrange(30) for _ in range(rng.randint(1, 8))]
+        d.add(f"r{i}", prompt, max_tokens=rng.randint(4, 12))
+    while d.sched.has_work():
+        d.step()
+        check_invariants(d)
+    assert d.sched.num_preemptions > 0
+    for s in d.seqs.values():
+        assert s.finish_reason == FinishReason.LENGTH
+        assert s.output_token_ids == expected_outputs(s, d.expected_len(s))
+    assert d.bm.num_used_blocks == 0 and d.bm.num_free_blocks == 8
+
+
+def test_sequence_larger_than_pool_is_ended() -> None:
+    d = Driver(num_blocks=2, max_model_len=100)
+    big = d.add("big", list(range(12)))
+    out = d.step()
+    assert out.scheduled == [] and out.finished == [big]
+    assert big.finish_reason == FinishReason.ERROR and big.stop_reason == KV_CACHE_TOO_SMALL
+    assert not d.sched.has_work()
+
+    # Fits at first, outgrows the pool while alone: ended, not preempted forever.
+    grows = d.add("grows", list(range(6)), max_tokens=10)
+    outs = [d.step() for _ in range(4)]
+    assert outs[-1].finished == [grows] and outs[-1].preempted == []
+    assert grows.finish_reason == FinishReason.ERROR
+    assert grows.num_output_tokens == 3  # 9 tokens: the K/V of the 9th would need a 3rd block
+    assert not d.sched.has_work() and d.bm.num_used_blocks == 0
+
+
+def test_abort_frees_blocks() -> None:
+    d = Driver(budget=8, max_num_seqs=1)
+    a = d.add("a", list(range(10)))
+    b = d.add("b", list(range(5)))
+    d.step()
+    assert d.bm.num_used_blocks == 2
+    assert d.sched.abort("a") is a
+    assert a.finish_reason == FinishReason.ABORT and a.block_table == []
+    assert d.bm.num_used_blocks == 0
+    assert d.sched.get("a") is None and d.sched.abort("a") is None
+    assert d.sched.abort("b") is b and not d.sched.has_work()
+    assert d.sched.abort("nope") is None
+
+
+def test_abort_between_schedule_and_update() -> None:
+    d = Driver()
+    a = d.add("a", list(range(10)))
+    b = d.add("b", list(range(20, 30)))
+    out = d.sched.schedule()
+    d.sched.abort("a")
+    b.append_token(1)
+    d.sched.update(out)
+    assert a.block_table == [] and a.num_computed_tokens == 0
+    assert b.num_computed_tokens == 10
+    check_invariants(d)
+
+
+def test_prefix_hits_reduce_scheduled_tokens() -> None:
+    d = Driver()
+    first = d.add("first", list(range(20)), max_tokens=1)
+    d.run()
+    assert first.num_cached_prompt_tokens == 0
+    b = d.add("b", list(range(16)) + [90, 91, 92, 93])
+    same = d.add("same", list(range(20)))
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(b, 4), (same, 4)]
+    assert b.num_cached_prompt_tokens == 16
+    assert same.num_cached_prompt_tokens == 16  # not 20: the last token must be computed
+    assert d.bm.prefix_hits == 32
+
+
+def test_update_requires_appended_token() -> None:
+    d = Driver()
+    d.add("a", [1, 2, 3])
+    out = d.sched.schedule()
+    with pytest.raises(RuntimeError):
+        d.sched.update(out)
+
+
+def test_waiting_tokens_and_duplicate_ids() -> None:
+    d = Driver(max_num_seqs=1)
+    d.add("a", list(range(5)))
+    d.add("b", list(range(7)))
+    assert d.sched.waiting_tokens == 12
+    d.step()
+    assert d.sched.waiting_tokens == 7
+    with pytest.raises(ValueError):
+        d.add("b", [1])
+
+
+@pytest.mark.parametrize(
+    "chunked,caching,budget", [(True, True, 16), (True, False, 16), (False, True, 32), (False, False, 32)]
+)
+def test_randomized_invariants(chunked: bool, caching: bool, budget: int) -> None:
+    rng = random.Random(1234)
+    d = Driver(num_blocks=16, budget=budget, max_num_seqs=6, chunked=chunked, caching=caching)
+    bases = [[rng.randrange(8) for _ in range(rng.randint(8, 12))] for _ in range(3)]
+    aborted: set[str] = set()
+    n = 0
+    for step in range(300):
+        if rng.random() < 0.35:
+            prompt = rng.choice(bases)[: rng.randint(0, 12)] + [rng.randrange(8) for _ in range(rng.randint(1, 18))]
+            d.add(f"q{n}", prompt, max_tokens=rng.randint(1, 12))
+            n += 1
+        live = [s for s in d.seqs.values() if not s.is_finished]
+        if live and rng.random() < 0.03:
+            victim = rng.choice(live)
+            assert d.sched.abort(victim.request_id) is victim
+            aborted.add(victim.request_id)
+        d.step()
+        check_invariants(d)
+    d.run()
+    check_invariants(d)
+    assert d.bm.num_used_blocks == 0
+    assert d.sched.num_preemptions > 0
+    if caching:
+        assert d.bm.prefix_hits > 0
+    for rid, s in d.seqs.items():
+        if rid in aborted:
+            assert s.finish_reason == FinishReason.ABORT
+        else:
+            assert s.finish_reason == FinishReason.LENGTH, s
+            assert s.output_token_ids == expected_outputs(s, d.expected_len(s))
