@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -19,9 +19,11 @@ from tandem.engine_service.async_engine import AsyncEngine
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.engine import LLMEngine
 from tandem.engine_service.server import SERVICE_NAME, EngineServicer
+from tandem.grpc_service import add_service
 from tandem.health import add_health
 from tandem.protocol import Limits
-from tandem.v1 import engine_pb2_grpc
+from tandem.security import SecurityOptions, add_port
+from tandem.v1 import engine_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -34,6 +36,7 @@ class EngineServerOptions:
     port: int = 50052
     default_max_tokens: int = 256
     drain_timeout: float = 30.0
+    security: SecurityOptions = field(default_factory=SecurityOptions)  # TLS/mTLS and token
 
 
 def model_info(engine: LLMEngine) -> dict:
@@ -55,6 +58,7 @@ def model_info(engine: LLMEngine) -> dict:
 async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready: asyncio.Event | None = None) -> int:
     """Runs until SIGTERM/SIGINT (exit code 0) or a fatal engine error (exit code 1)."""
     server = grpc.aio.server(
+        interceptors=options.security.server_interceptors(),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -62,12 +66,14 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     )
     health = await add_health(server, SERVICE_NAME)
     servicer = EngineServicer()
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{options.host}:{options.port}")
+    add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Engine"])
+    bound = add_port(server, f"{options.host}:{options.port}", options.security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {options.host}:{options.port}")
     await server.start()
-    log.info("engine_listening", address=f"{options.host}:{bound}", model=config.model.model)
+    log.info("engine_listening", address=f"{options.host}:{bound}", model=config.model.model,
+             **options.security.summary("server"))
+    options.security.warn_if_weak("server", options.host)
 
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(None, LLMEngine, config)

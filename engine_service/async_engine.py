@@ -32,6 +32,10 @@ class DuplicateRequestError(ValueError):
     """A request with this ID is already in flight."""
 
 
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full (maps to RESOURCE_EXHAUSTED with a retry hint)."""
+
+
 @dataclass
 class RequestStream:
     """The consumer end of one request: step outputs arrive here in order."""
@@ -53,6 +57,11 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        self.max_waiting_requests = engine.config.scheduler.max_waiting_requests
+        self.max_waiting_tokens = engine.config.scheduler.max_waiting_tokens
+        # Adds posted but not yet reflected in `stats_snapshot` (requests, prompt tokens).
+        self._pending_requests = 0
+        self._pending_tokens = 0
         self._on_fatal = on_fatal
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -98,10 +107,25 @@ class AsyncEngine:
             raise EngineUnavailableError("engine is draining")
         if request_id in self._streams:
             raise DuplicateRequestError(request_id)
+        waiting, waiting_tokens = self.queue_depth()
+        if waiting + 1 > self.max_waiting_requests or waiting_tokens + len(prompt_token_ids) > self.max_waiting_tokens:
+            raise QueueFullError(
+                f"waiting queue is full ({waiting} requests, {waiting_tokens} tokens; limits "
+                f"{self.max_waiting_requests} requests, {self.max_waiting_tokens} tokens)"
+            )
+        with self._wake:
+            self._pending_requests += 1
+            self._pending_tokens += len(prompt_token_ids)
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._post("add", (request_id, list(prompt_token_ids), params, time.monotonic()))
         return stream
+
+    def queue_depth(self) -> tuple[int, int]:
+        """Requests and prompt tokens waiting for their first step, including adds in transit."""
+        snap = self.stats_snapshot
+        with self._wake:
+            return (snap["num_waiting"] + self._pending_requests, snap["waiting_tokens"] + self._pending_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request; its stream gets a final ABORT output once the engine confirmed."""
@@ -130,7 +154,8 @@ class AsyncEngine:
             self._inbox.append((op, args))
             self._wake.notify()
 
-    def _drain_inbox(self) -> list[StepOutput]:
+    def _drain_inbox(self, added: list[int]) -> list[StepOutput]:
+        """Applies queued commands; `added` collects the prompt lengths of the adds taken."""
         outputs: list[StepOutput] = []
         while True:
             with self._wake:
@@ -139,6 +164,7 @@ class AsyncEngine:
                 op, args = self._inbox.popleft()
             if op == "add":
                 request_id, prompt, params, arrival = args
+                added.append(len(prompt))
                 try:
                     seq = self.engine.add_request(request_id, prompt, params)
                     seq.arrival_time = arrival
@@ -178,12 +204,17 @@ class AsyncEngine:
                         self._wake.wait()
                     if self._stopping:
                         return
-                outputs = self._drain_inbox()
+                added: list[int] = []
+                outputs = self._drain_inbox(added)
                 t0 = time.perf_counter()
                 if self.engine.has_work():
                     outputs.extend(self.engine.step())
                 step_time = time.perf_counter() - t0
-                self.stats_snapshot = self.engine.stats()
+                snapshot = self.engine.stats()
+                with self._wake:  # the adds now show in the snapshot: stop counting them twice
+                    self.stats_snapshot = snapshot
+                    self._pending_requests -= len(added)
+                    self._pending_tokens -= sum(added)
                 if outputs:
                     for listener in self.step_listeners:
                         listener(outputs, step_time)

@@ -14,9 +14,15 @@ import grpc
 import structlog
 from google.protobuf import json_format, struct_pb2
 
-from tandem.engine_service.async_engine import AsyncEngine, DuplicateRequestError, EngineUnavailableError
+from tandem.engine_service.async_engine import (
+    AsyncEngine,
+    DuplicateRequestError,
+    EngineUnavailableError,
+    QueueFullError,
+)
 from tandem.engine_service.engine import StepOutput
 from tandem.engine_service.sequence import FinishReason
+from tandem.grpc_service import reject_malformed
 from tandem.protocol import (
     FINISH_TO_PROTO,
     InvalidRequest,
@@ -67,6 +73,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return self.engine.submit(request.request_id, prompt, params)
 
     async def _start(self, request, context):
+        await reject_malformed(request, context)
         await self._require_engine(context)
         try:
             return self._admit(request)
@@ -76,6 +83,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is in flight")
         except EngineUnavailableError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except QueueFullError as exc:
+            # A retry hint for clients and load balancers (seconds, like HTTP Retry-After).
+            context.set_trailing_metadata((("retry-after", "1"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
 
     # -- RPCs ----------------------------------------------------------------------------------------
     async def Stream(self, request, context):
@@ -109,6 +120,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return self._response(request, collected, True)
 
     async def Utility(self, request, context):
+        await reject_malformed(request, context)
         cmd = request.command
         C = common_pb2
         if cmd == C.UTILITY_COMMAND_HEALTH and self.engine is None:

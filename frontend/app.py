@@ -15,9 +15,11 @@ from tandem.frontend.request_builder import RequestBuilder
 from tandem.frontend.request_ids import RequestIdMap
 from tandem.frontend.server import SERVICE_NAME, FrontendServicer
 from tandem.frontend.tokenizer import TextTokenizer
+from tandem.grpc_service import add_service
 from tandem.health import add_health
 from tandem.protocol import Limits
-from tandem.v1 import frontend_pb2_grpc
+from tandem.security import SecurityOptions, add_port
+from tandem.v1 import frontend_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -34,6 +36,8 @@ class FrontendOptions:
     default_max_tokens: int = 256
     drain_timeout: float = 30.0
     engine_wait_timeout: float = 900.0
+    security: SecurityOptions = field(default_factory=SecurityOptions)  # clients → frontend (server side)
+    engine_security: SecurityOptions = field(default_factory=SecurityOptions)  # frontend → engines (client side)
 
 
 async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> RequestBuilder:
@@ -57,6 +61,7 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> R
 
 async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None = None) -> int:
     server = grpc.aio.server(
+        interceptors=options.security.server_interceptors(),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -65,14 +70,20 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
         ]
     )
     health = await add_health(server, SERVICE_NAME)
-    pool = EnginePool(options.engines)
+    engine_security = options.engine_security
+    pool = EnginePool(options.engines, channel_options=engine_security.channel_options(),
+                      credentials=engine_security.channel_credentials(),
+                      interceptors=engine_security.aio_client_interceptors())
     servicer = FrontendServicer(pool, RequestIdMap())
-    frontend_pb2_grpc.add_FrontendServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{options.host}:{options.port}")
+    add_service(server, servicer, frontend_pb2.DESCRIPTOR.services_by_name["Frontend"])
+    bound = add_port(server, f"{options.host}:{options.port}", options.security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {options.host}:{options.port}")
     await server.start()
-    log.info("frontend_listening", address=f"{options.host}:{bound}", engines=options.engines)
+    log.info("frontend_listening", address=f"{options.host}:{bound}", engines=options.engines,
+             **options.security.summary("server"), engine_link=engine_security.summary("client"))
+    options.security.warn_if_weak("server", options.host)
+    engine_security.warn_if_weak("client", options.engines[0].rsplit(":", 1)[0])
     servicer.attach(await build_request_builder(options, pool))
     pool.start_monitor()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

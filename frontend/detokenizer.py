@@ -59,10 +59,9 @@ class IncrementalDetokenizer:
         decode = tokenizer.decode
         self._decode: Callable[[list[int]], str] = lambda ids: decode(ids, **kwargs)
 
-        # Window of token ids: [0, prefix) is gone, [prefix, read) is emitted context,
-        # [read, len) is unread. Emitted context is trimmed so the list stays small.
+        # The window: ids[:read] is emitted context (the prefix), ids[read:] is unread. Older
+        # tokens are dropped as the window slides, so it stays a few tokens long.
         self._ids: list[int] = self._prompt_context(list(prompt_token_ids or ()))
-        self._prefix = 0
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids) if self._ids else ""
         self._pieces: list[str] = []
@@ -75,7 +74,7 @@ class IncrementalDetokenizer:
         n = min(_PROMPT_CONTEXT_TOKENS, len(prompt))
         while n < min(len(prompt), _MAX_PROMPT_CONTEXT_TOKENS):
             text = self._decode(prompt[-n:])
-            if True:
+            if text and not text.startswith(REPLACEMENT_CHAR):
                 break
             n += 1
         return prompt[len(prompt) - n :]
@@ -93,23 +92,23 @@ class IncrementalDetokenizer:
             return ""
         self._ids.extend(token_ids)
         end = len(self._ids)
-        text = self._decode(self._ids[self._prefix :])
+        text = self._decode(self._ids)
         if not text.endswith(REPLACEMENT_CHAR):
             if len(text) > len(self._prefix_text) or end - self._read >= _MAX_HELD_TOKENS:
                 return self._emit(end, text)
             # Nothing visible yet (e.g. skipped special tokens): keep the old context so the
             # next token's leading space still decodes right.
             return ""
-        # Incomplete character at the end. Boundaries between earlier pushes were already
-        # found incomplete; only those inside this push can be clean.
-        first_new = max(end - len(token_ids) + 1, self._read + 1, end - _TAIL_LOOKBACK)
-        for k in range(end - 1, first_new - 1, -1):
-            partial = self._decode(self._ids[self._prefix : k])
-            if not partial.endswith(REPLACEMENT_CHAR) and len(partial) > len(self._prefix_text):
-                return self._emit(k, partial)
-        if end - self._read >= _MAX_HELD_TOKENS:
-            return self._emit(end, text)
-        return ""
+        # Incomplete character at the end: emit up to the latest clean token boundary, if any.
+        # Normally only boundaries inside this push are new, and a character's bytes span only
+        # the last few of them. Once too much is held, every held boundary is tried (rare and
+        # bounded) before giving up and emitting U+FFFD.
+        give_up = end - self._read >= _MAX_HELD_TOKENS
+        lowest = self._read + 1 if give_up else max(end - len(token_ids) + 1, self._read + 1, end - _TAIL_LOOKBACK)
+        delta = self._emit_clean_prefix(lowest)
+        if delta is not None:
+            return delta
+        return self._emit(end, text) if give_up else ""
 
     def flush(self) -> str:
         """Ends the stream: returns whatever was held back (an incomplete character as U+FFFD)."""
@@ -118,12 +117,27 @@ class IncrementalDetokenizer:
         self._flushed = True
         if self._read == len(self._ids):
             return ""
-        text = self._decode(self._ids[self._prefix :])
-        return self._emit(len(self._ids), text, final=True)
+        text = self._decode(self._ids)
+        head = ""
+        if text.endswith(REPLACEMENT_CHAR):
+            # Complete characters before the broken tail go out as they are, so only the tail
+            # (decoded on its own if need be) turns into U+FFFD.
+            head = self._emit_clean_prefix(self._read + 1) or ""
+            text = self._decode(self._ids)
+        return head + self._emit(len(self._ids), text, final=True)
+
+    def _emit_clean_prefix(self, lowest: int) -> str | None:
+        """Emits up to the latest token boundary k >= lowest (before the end) whose decode is
+        complete and adds text; None when there is no such boundary."""
+        for k in range(len(self._ids) - 1, lowest - 1, -1):
+            partial = self._decode(self._ids[:k])
+            if not partial.endswith(REPLACEMENT_CHAR) and len(partial) > len(self._prefix_text):
+                return self._emit(k, partial)
+        return None
 
     def _emit(self, upto: int, text: str, final: bool = False) -> str:
-        """Emits `text` (the decode of ids[prefix:upto]) beyond the context, then slides the
-        window so ids[read:upto] becomes the new context."""
+        """Emits what `text` (the decode of ids[:upto]) adds to the context's text, then slides
+        the window so that ids[read:upto] becomes the new context."""
         if text.startswith(self._prefix_text):
             delta = text[len(self._prefix_text) :]
         else:
@@ -138,7 +152,6 @@ class IncrementalDetokenizer:
             return delta
         old_read = self._read
         del self._ids[:old_read]
-        self._prefix = 0
         self._read = upto - old_read
         self._prefix_text = self._decode(self._ids[: self._read])
         return delta

@@ -57,7 +57,10 @@ class EngineReplica:
 class EnginePool:
     """All engine replicas known to this frontend."""
 
-    def __init__(self, addresses: list[str], channel_options: list | None = None, credentials=None) -> None:
+    def __init__(self, addresses: list[str], channel_options: list | None = None, credentials=None,
+                 interceptors: list | None = None) -> None:
+        """`credentials` secure the channels (TLS/mTLS); `interceptors` (asyncio client
+        interceptors) add per-call metadata such as the engine's bearer token."""
         if not addresses:
             raise ValueError("at least one engine address is needed")
         options = [
@@ -69,9 +72,9 @@ class EnginePool:
         self.replicas: list[EngineReplica] = []
         for address in addresses:
             if credentials is not None:
-                channel = grpc.aio.secure_channel(address, credentials, options=options)
+                channel = grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
             else:
-                channel = grpc.aio.insecure_channel(address, options=options)
+                channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
             self.replicas.append(
                 EngineReplica(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel))
             )

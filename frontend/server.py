@@ -20,6 +20,7 @@ from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.engine_pool import EnginePool, EngineReplica, NoEngineAvailable
 from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.request_ids import DuplicateRequestId, RequestIdMap
+from tandem.grpc_service import reject_malformed
 from tandem.protocol import InvalidRequest
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
@@ -67,6 +68,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         return final
 
     async def Utility(self, request, context):
+        await reject_malformed(request, context)
         C = common_pb2
         cmd = request.command
         if self.builder is None and cmd != C.UTILITY_COMMAND_HEALTH:
@@ -117,6 +119,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     # -- the request path ------------------------------------------------------------------------------
     async def _run(self, request, context, stream: bool):
         arrival = time.monotonic()
+        await reject_malformed(request, context)
         if self.builder is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "frontend is starting")
         if not self.accepting:
@@ -183,6 +186,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 if error is not None:
                     if error.code() == grpc.StatusCode.UNAVAILABLE:
                         self.pool.mark_failed(replica)
+                    retry = [(k, v) for k, v in (error.trailing_metadata() or ()) if k == "retry-after"]
+                    if retry:
+                        context.set_trailing_metadata(tuple(retry))
                     await context.abort(error.code(), f"engine: {error.details()}")
                 if resp is None:  # engine stream closed
                     if not choices[i].finished:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -26,7 +27,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-waiting-requests", type=int, default=1024)
+    g.add_argument("--max-waiting-requests", type=int, default=1024, help="bound of the waiting queue (requests)")
+    g.add_argument("--max-waiting-tokens", type=int, default=1 << 20, help="bound of the waiting queue (prompt tokens)")
     g.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
 
@@ -42,7 +44,8 @@ def _engine_config(args):
                           cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * (1 << 30)),
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_waiting_requests=args.max_waiting_requests),
+                                  max_waiting_requests=args.max_waiting_requests,
+                                  max_waiting_tokens=args.max_waiting_tokens),
     )
 
 
@@ -51,7 +54,8 @@ def _engine_flags(args) -> list[str]:
     out = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
            "--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction), "--cpu-kv-cache-gb", str(args.cpu_kv_cache_gb),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-waiting-requests", str(args.max_waiting_requests), "--seed", str(args.seed)]
+           "--max-waiting-requests", str(args.max_waiting_requests), "--max-waiting-tokens", str(args.max_waiting_tokens),
+           "--seed", str(args.seed)]
     for flag, value in (("--max-model-len", args.max_model_len), ("--num-kv-blocks", args.num_kv_blocks),
                         ("--cache-dir", args.cache_dir)):
         if value is not None:
@@ -61,12 +65,23 @@ def _engine_flags(args) -> list[str]:
     return out
 
 
+def _security(args, prefix: str = ""):
+    """The SecurityOptions of one hop (flags from `add_security_args`); a bad combination exits."""
+    from tandem.security import SecurityConfigError, SecurityOptions
+
+    try:
+        return SecurityOptions.from_args(args, prefix)
+    except SecurityConfigError as exc:
+        raise SystemExit(f"tandem: {exc}") from None
+
+
 def cmd_engine(args) -> int:
     from tandem.engine_service.app import EngineServerOptions, run_engine
 
     return run_engine(_engine_config(args), EngineServerOptions(host=args.host, port=args.port,
                                                                 default_max_tokens=args.default_max_tokens,
-                                                                drain_timeout=args.drain_timeout))
+                                                                drain_timeout=args.drain_timeout,
+                                                                security=_security(args)))
 
 
 def cmd_frontend(args) -> int:
@@ -74,41 +89,62 @@ def cmd_frontend(args) -> int:
 
     return run_frontend(FrontendOptions(host=args.host, port=args.port, engines=args.engine,
                                         tokenizer_path=args.tokenizer, served_model_name=args.served_model_name,
-                                        default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout))
+                                        default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
+                                        security=_security(args), engine_security=_security(args, "engine-")))
 
 
 def cmd_serve(args) -> int:
     """Engine in a child process, frontend in this one; either ending ends both."""
     from tandem.frontend.app import FrontendOptions, run_frontend
 
+    from tandem.security import engine_child_security
+
     engine_addr = f"{args.engine_host}:{args.engine_port}"
+    security, engine_security = _security(args), _security(args, "engine-")
+    # The engine child gets the server side of the engine hop; its token travels in the env.
+    child_security_argv, child_env = engine_child_security(engine_security)
     child = subprocess.Popen(
         [sys.executable, "-P", "-m", "tandem.cli", "--log-level", args.log_level, "--log-format", args.log_format,
          "engine", "--host", args.engine_host, "--port", str(args.engine_port),
          "--default-max-tokens", str(args.default_max_tokens), "--drain-timeout", str(args.drain_timeout)]
-        + _engine_flags(args)
+        + _engine_flags(args) + child_security_argv,
+        env={**os.environ, **child_env},
     )
 
-    def forward(signum, frame):
-        if child.poll() is None:
-            child.send_signal(signum)
-        raise KeyboardInterrupt
+    stopping = threading.Event()
 
-    old = signal.signal(signal.SIGTERM, forward)
+    def stop_during_startup(signum, frame):
+        # Until the frontend's event loop installs its own handlers (which drain), a signal
+        # must still take the engine child down with us.
+        stopping.set()
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+        raise SystemExit(0)
+
+    def watch_engine():
+        child.wait()
+        if not stopping.is_set():  # the engine died on its own: end the frontend too
+            log_exit = f"engine exited with code {child.returncode}"
+            sys.stderr.write(json.dumps({"event": "engine_child_exited", "detail": log_exit}) + "\n")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_during_startup)
+    threading.Thread(target=watch_engine, name="engine-watch", daemon=True).start()
     try:
         rc = run_frontend(FrontendOptions(host=args.host, port=args.port, engines=[engine_addr],
                                           served_model_name=args.served_model_name, tokenizer_path=args.tokenizer,
-                                          default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout))
-    except KeyboardInterrupt:
-        rc = 0
+                                          default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
+                                          security=security, engine_security=engine_security))
     finally:
-        signal.signal(signal.SIGTERM, old)
+        stopping.set()
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
             try:
                 child.wait(args.drain_timeout + 10)
             except subprocess.TimeoutExpired:
                 child.kill()
+                child.wait()
     return rc or (child.returncode or 0)
 
 
@@ -131,7 +167,7 @@ def _client_kwargs(args) -> dict:
 def cmd_generate(args) -> int:
     from tandem.client import TandemClient
 
-    with TandemClient(args.address) as client:
+    with TandemClient(args.address, security=_security(args)) as client:
         if args.stream:
             for msg in client.stream(args.prompt, **_client_kwargs(args)):
                 for c in msg.choices:
@@ -147,7 +183,7 @@ def cmd_chat(args) -> int:
     from tandem.client import TandemClient
 
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    with TandemClient(args.address) as client:
+    with TandemClient(args.address, security=_security(args)) as client:
         if args.message:
             messages.append({"role": "user", "content": args.message})
             _print_response(client.chat(messages, **_client_kwargs(args)), args.json)
@@ -164,6 +200,8 @@ def cmd_chat(args) -> int:
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
+    from tandem.security import add_security_args
+
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
@@ -174,9 +212,12 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=None)
     p.add_argument("--logprobs", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    add_security_args(p, server=False, client=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tandem.security import add_security_args
+
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "info"))
     parser.add_argument("--log-format", default=os.environ.get("TANDEM_LOG_FORMAT", "json"), choices=["json", "console"])
@@ -192,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--default-max-tokens", type=int, default=256)
     serve.add_argument("--drain-timeout", type=float, default=30.0)
+    add_security_args(serve)  # clients → frontend
+    add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
     serve.set_defaults(fn=cmd_serve)
 
     engine = sub.add_parser("engine", help="the engine service alone")
@@ -200,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--port", type=int, default=50052)
     engine.add_argument("--default-max-tokens", type=int, default=256)
     engine.add_argument("--drain-timeout", type=float, default=30.0)
+    add_security_args(engine)
     engine.set_defaults(fn=cmd_engine)
 
     front = sub.add_parser("frontend", help="the frontend alone, in front of one or more engines")
@@ -210,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("--served-model-name", default=None)
     front.add_argument("--default-max-tokens", type=int, default=256)
     front.add_argument("--drain-timeout", type=float, default=30.0)
+    add_security_args(front)  # clients → frontend
+    add_security_args(front, "engine-", server=False, client=True)  # frontend → engines
     front.set_defaults(fn=cmd_frontend)
 
     gen = sub.add_parser("generate", help="complete a prompt")

@@ -12,6 +12,7 @@ from typing import Iterator
 import grpc
 from google.protobuf import json_format
 
+from tandem.security import SecurityOptions
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 SAMPLING_FIELDS = (
@@ -61,8 +62,18 @@ class TandemClient:
     """Blocking client: generate, chat, stream and utility calls against a frontend."""
 
     def __init__(self, address: str = "127.0.0.1:50051", credentials: grpc.ChannelCredentials | None = None,
-                 metadata: list[tuple[str, str]] | None = None) -> None:
+                 metadata: list[tuple[str, str]] | None = None, *, token: str | None = None,
+                 tls_ca: str | None = None, security: SecurityOptions | None = None) -> None:
+        """`security` sets TLS/mTLS and the bearer token from one hop's options; `tls_ca` (TLS
+        trusting that CA) and `token` are shortcuts for the common case. Explicit `credentials`
+        take precedence; the token is appended to `metadata`."""
         options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        if security is None and (token or tls_ca):
+            security = SecurityOptions(tls_ca=tls_ca, tokens=(token,) if token else ())
+        if security is not None:
+            credentials = credentials or security.channel_credentials()
+            metadata = list(metadata or []) + security.call_metadata() or None
+            options += security.channel_options()
         self.channel = (
             grpc.secure_channel(address, credentials, options=options)
             if credentials is not None

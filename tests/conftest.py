@@ -24,8 +24,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, service: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    channel = grpc.insecure_channel(address)
+def wait_serving(address: str, service: str, timeout: float, proc: subprocess.Popen | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Polls grpc.health.v1 until `service` is SERVING; `credentials` for a TLS port."""
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
     try:
@@ -66,15 +68,16 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_serve(extra: list[str] | None = None, timeout: float = 300.0) -> tuple[ServerProcess, str, str]:
+def start_serve(extra: list[str] | None = None, timeout: float = 300.0, env: dict | None = None,
+                credentials: grpc.ChannelCredentials | None = None) -> tuple[ServerProcess, str, str]:
     """Starts `tandem serve` (engine child + frontend); returns (process, frontend, engine) addresses."""
     fport, eport = free_port(), free_port()
     server = ServerProcess(
-        ["serve", "--host", "127.0.0.1", "--port", str(fport), "--engine-port", str(eport), *(extra or [])]
+        ["serve", "--host", "127.0.0.1", "--port", str(fport), "--engine-port", str(eport), *(extra or [])], env=env
     )
     frontend, engine = f"127.0.0.1:{fport}", f"127.0.0.1:{eport}"
     try:
-        wait_serving(frontend, "tandem.v1.Frontend", timeout, server.proc)
+        wait_serving(frontend, "tandem.v1.Frontend", timeout, server.proc, credentials=credentials)
     except Exception:
         server.stop(signal.SIGKILL)
         raise
@@ -127,11 +130,19 @@ def launch_serve(smollm2_dir):
     """Factory for extra `tandem serve` processes with their own flags; all stopped at the end."""
     started: list[ServerProcess] = []
 
-    def launch(extra: list[str]) -> tuple[ServerProcess, str, str]:
-        server, frontend, engine = start_serve(extra)
+    def launch(extra: list[str], **kwargs) -> tuple[ServerProcess, str, str]:
+        server, frontend, engine = start_serve(extra, **kwargs)
         started.append(server)
         return server, frontend, engine
 
     yield launch
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def server_tools():
+    """The process helpers above, for tests that assemble their own topology."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ServerProcess=ServerProcess, free_port=free_port, wait_serving=wait_serving)

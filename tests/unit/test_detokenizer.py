@@ -256,7 +256,7 @@ def test_sentencepiece_random_streams(sp_tok: TextTokenizer) -> None:
             j = max(k for k in range(len(out)) if not sp_tok.decode(out[:k]).endswith(FFFD))
             head = sp_tok.decode(out[:j])
             assert joined.startswith(head)
-            assert joined[len(head) :] and set(joined[len(head) :]) == {FFFD}
+            assert joined[len(head) :] == sp_tok.decode(out[j:]) and set(joined[len(head) :]) == {FFFD}
         if FFFD not in expected:
             assert not any(FFFD in d for d in deltas)
         # With a prompt that ends on a character boundary: the output's part of the full decode.

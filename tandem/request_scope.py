@@ -1,0 +1,98 @@
+"""One RPC's logging scope: request IDs and trace bound into structlog, one line when it ends.
+
+Both services wrap each Generate/Stream call in a `RequestScope`. While it is open every log
+line of that call (on its task, and on tasks it starts) carries the IDs and trace; when it
+closes it logs exactly one `request_end` line with the gRPC outcome, the latency and whatever
+the service noted (finish reasons, token counts). Per-token events are never logged.
+
+gRPC's asyncio server runs each call in its own task, whose context is a copy: bindings cannot
+leak between calls. Unbinding on exit uses keys, not context-variable tokens, because an async
+generator may be finalised from another context, where resetting a token would raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import grpc
+import structlog
+
+from tandem.tracing import TraceContext
+
+log = structlog.get_logger(__name__)
+
+# Outcomes that are the server's fault, logged at warning; the rest (client errors, cancels,
+# successes) are ordinary request endings.
+_SERVER_FAULTS = frozenset({"INTERNAL", "UNKNOWN", "UNAVAILABLE", "DATA_LOSS", "UNIMPLEMENTED"})
+
+
+def grpc_outcome(exc_type: type[BaseException] | None, context) -> str:
+    """The status name a call ends with, judged from the exception leaving its handler."""
+    if exc_type is None:
+        return "OK"
+    if issubclass(exc_type, grpc.aio.AbortError):
+        code = context.code()
+        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    if issubclass(exc_type, (asyncio.CancelledError, GeneratorExit)):
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return "DEADLINE_EXCEEDED"
+        return "CANCELLED"
+    return "UNKNOWN"  # what gRPC reports for an exception the handler did not map
+
+
+class RequestScope:
+    """Binds one call's IDs and trace into the log context and logs its single ending line."""
+
+    def __init__(self, context, service: str, method: str, trace: TraceContext, **ids) -> None:
+        self._context = context
+        self.service = service
+        self.method = method
+        self.trace = trace
+        self.fields: dict = {}
+        self.code: str | None = None
+        self.latency: float = 0.0
+        self.start = time.monotonic()
+        self._bound: dict = {}
+        self._ids = {k: v for k, v in ids.items() if v}
+        self._on_end: list[Callable[["RequestScope"], None]] = []
+
+    @classmethod
+    def for_call(cls, context, service: str, method: str, **ids) -> "RequestScope":
+        """A scope that continues the caller's trace from the call's metadata."""
+        return cls(context, service, method, TraceContext.from_metadata(context.invocation_metadata()), **ids)
+
+    def bind(self, **fields) -> None:
+        """Adds fields to every log line of this call from now on (and to its ending line)."""
+        structlog.contextvars.bind_contextvars(**fields)
+        self._bound.update(fields)
+
+    def note(self, **fields) -> None:
+        """Adds fields to the ending line only."""
+        self.fields.update(fields)
+
+    def on_end(self, callback: Callable[["RequestScope"], None]) -> None:
+        """Runs `callback(scope)` when the call ends, after `code` and `latency` are set."""
+        self._on_end.append(callback)
+
+    def __enter__(self) -> "RequestScope":
+        self.bind(service=self.service, **self.trace.log_fields(), **self._ids)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.code = grpc_outcome(exc_type, self._context)
+        self.latency = time.monotonic() - self.start
+        try:
+            for callback in self._on_end:
+                callback(self)
+        except Exception:  # observing a request must never change how it ends
+            log.exception("request_end_callback_failed")
+        emit = log.warning if self.code in _SERVER_FAULTS else log.info
+        # The bound fields are passed explicitly too: a stream closed by the generator finaliser
+        # exits in a context where they were never bound.
+        emit("request_end", **self._bound, method=self.method, code=self.code,
+             latency_s=round(self.latency, 6), **self.fields)
+        structlog.contextvars.unbind_contextvars(*self._bound)
+        return False

@@ -1,0 +1,35 @@
+"""Production hardening, acceptance 2: a client in another language (Node.js, @grpc/grpc-js,
+contract loaded from protos/ at run time) drives the frontend through every conformance check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
+# Every check conformance.js must report as passed; a check that silently disappears fails here.
+EXPECTED_CHECKS = {"generate", "stream", "deadline", "cancel", "invalid_argument", "optional_presence"}
+
+
+def test_node_client_conformance(serve):
+    node = shutil.which("node")
+    assert node, "node is not on PATH: Node.js 18+ is needed for clients/node"
+    assert (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(), (
+        "clients/node/node_modules is missing: run `npm ci` in clients/node (scripts/setup.sh does)"
+    )
+    out = subprocess.run(
+        [node, str(NODE_DIR / "conformance.js"), serve["frontend"]],
+        cwd=NODE_DIR, capture_output=True, text=True, timeout=600,
+    )
+    results = {}
+    for line in out.stdout.splitlines():
+        record = json.loads(line)  # every stdout line is JSON; anything else is a bug in the script
+        if "check" in record:
+            results[record["check"]] = record
+    report = f"stdout:\n{out.stdout}\nstderr:\n{out.stderr}"
+    assert set(results) == EXPECTED_CHECKS, report
+    failed = {name: r.get("error") for name, r in results.items() if not r["ok"]}
+    assert not failed, report
+    assert out.returncode == 0, report
