@@ -18,9 +18,11 @@ from grpc_health.v1 import health_pb2
 from tandem.engine_service.async_engine import AsyncEngine
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.engine import LLMEngine
+from tandem.engine_service.metrics import EngineMetrics
 from tandem.engine_service.server import SERVICE_NAME, EngineServicer
 from tandem.grpc_service import add_service
 from tandem.health import add_health
+from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.protocol import Limits
 from tandem.security import SecurityOptions, add_port
 from tandem.v1 import engine_pb2
@@ -37,6 +39,8 @@ class EngineServerOptions:
     default_max_tokens: int = 256
     drain_timeout: float = 30.0
     security: SecurityOptions = field(default_factory=SecurityOptions)  # TLS/mTLS and token
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
 
 
 def model_info(engine: LLMEngine) -> dict:
@@ -74,12 +78,20 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     log.info("engine_listening", address=f"{options.host}:{bound}", model=config.model.model,
              **options.security.summary("server"))
     options.security.warn_if_weak("server", options.host)
+    # Served from before the model loads (process metrics only until then), so a scrape tells
+    # "loading" from "down".
+    registry = new_registry()
+    metrics_endpoint = (
+        start_metrics_endpoint(registry, options.metrics_host, options.metrics_port)
+        if options.metrics_port is not None else None
+    )
 
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(None, LLMEngine, config)
     fatal = asyncio.Event()
     stop = asyncio.Event()
     async_engine = AsyncEngine(engine, on_fatal=lambda exc: loop.call_soon_threadsafe(fatal.set))
+    EngineMetrics(async_engine, config.model.model, registry)  # before start: it adds a step listener
     async_engine.start(loop)
     limits = Limits(
         vocab_size=engine.vocab_size,
@@ -107,6 +119,8 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
         await health.enter_graceful_shutdown()
         await server.stop(grace=1.0)
         log.error("engine_exiting_after_fatal_error", error=str(async_engine.fatal_error))
+        if metrics_endpoint is not None:
+            metrics_endpoint.close()
         return 1
     # Drain: refuse new work, let in-flight requests finish within the timeout.
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -119,6 +133,8 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     await health.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     async_engine.stop()
+    if metrics_endpoint is not None:
+        metrics_endpoint.close()
     log.info("engine_stopped")
     return 0
 

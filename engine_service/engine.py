@@ -138,6 +138,7 @@ class LLMEngine:
             request_id=seq.request_id,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens or 0,
+            arrival_time=seq.arrival_time,  # on every output: metrics time the first token from it
         )
         if seq.is_finished:
             self._fill_ending(o, seq)

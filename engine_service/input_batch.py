@@ -90,7 +90,8 @@ def build_model_inputs(batch: SequenceOf[ScheduledLike], block_size: int, device
     block_tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
     for i, table in enumerate(tables):
         block_tables[i, : len(table)] = table
-    slot_mapping = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    block_ids = block_tables[seq_index, positions // block_size].astype(np.int64)
+    slot_mapping = block_ids * block_size + positions % block_size
 
     def to_device(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)

@@ -105,7 +105,9 @@ def plan_kv_cache(
                 f"reserved {reserved_bytes} B, {per_block} B per block; lower max_num_seqs/state pools "
                 f"or raise the memory budget"
             )
-    plan = MemoryPlan(num_blocks=num_blocks, bytes_per_block=per_block, state_pool_entries=entries, state_pool_bytes=pool_bytes)
+    plan = MemoryPlan(
+        num_blocks=num_blocks, bytes_per_block=per_block, state_pool_entries=entries, state_pool_bytes=pool_bytes
+    )
     log.info(
         "kv cache planned", device=str(device), num_blocks=num_blocks, block_size=cache_config.block_size,
         bytes_per_block=per_block, kv_gib=round(plan.kv_cache_bytes / 2**30, 2), state_pools=entries,

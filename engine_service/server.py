@@ -22,6 +22,7 @@ from tandem.engine_service.async_engine import (
 )
 from tandem.engine_service.engine import StepOutput
 from tandem.engine_service.sequence import FinishReason
+from tandem.request_scope import RequestScope
 from tandem.grpc_service import reject_malformed
 from tandem.protocol import (
     FINISH_TO_PROTO,
@@ -90,6 +91,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------------
     async def Stream(self, request, context):
+        with _request_scope(request, context, "Stream") as scope:
+            async for msg in self._stream(request, context):
+                if msg.finish_reason:
+                    _note_end(scope, msg)
+                yield msg
+
+    async def Generate(self, request, context):
+        with _request_scope(request, context, "Generate") as scope:
+            msg = await self._generate(request, context)
+            _note_end(scope, msg)
+            return msg
+
+    async def _stream(self, request, context):
         stream = await self._start(request, context)
         first = True
         try:
@@ -106,7 +120,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:
             self.engine.release(request.request_id)
 
-    async def Generate(self, request, context):
+    async def _generate(self, request, context):
         stream = await self._start(request, context)
         collected: list[StepOutput] = []
         try:
@@ -186,6 +200,23 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if request.HasField("kv_transfer_params"):
                 msg.kv_transfer_params.CopyFrom(request.kv_transfer_params)
         return msg
+
+
+def _request_scope(request, context, method: str) -> RequestScope:
+    # A request that failed to parse (MalformedRequest) has no ID; the call is rejected later.
+    return RequestScope.for_call(context, "engine", method, request_id=getattr(request, "request_id", ""))
+
+
+def _note_end(scope: RequestScope, msg: engine_pb2.EngineResponse) -> None:
+    """Puts a finished request's outcome on its ending log line."""
+    scope.note(
+        finish_reason=common_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower(),
+        prompt_tokens=msg.usage.prompt_tokens,
+        completion_tokens=msg.usage.completion_tokens,
+        cached_prompt_tokens=msg.usage.cached_prompt_tokens,
+        ttft_s=round(msg.timings.ttft, 6),
+        queue_s=round(msg.timings.queue, 6),
+    )
 
 
 def _timings(o: StepOutput) -> common_pb2.Timings:

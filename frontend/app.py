@@ -11,12 +11,14 @@ import structlog
 from grpc_health.v1 import health_pb2
 
 from tandem.frontend.engine_pool import EnginePool
+from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.request_builder import RequestBuilder
 from tandem.frontend.request_ids import RequestIdMap
 from tandem.frontend.server import SERVICE_NAME, FrontendServicer
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.grpc_service import add_service
 from tandem.health import add_health
+from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.protocol import Limits
 from tandem.security import SecurityOptions, add_port
 from tandem.v1 import frontend_pb2
@@ -38,6 +40,8 @@ class FrontendOptions:
     engine_wait_timeout: float = 900.0
     security: SecurityOptions = field(default_factory=SecurityOptions)  # clients → frontend (server side)
     engine_security: SecurityOptions = field(default_factory=SecurityOptions)  # frontend → engines (client side)
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
 
 
 async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> RequestBuilder:
@@ -74,7 +78,12 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     pool = EnginePool(options.engines, channel_options=engine_security.channel_options(),
                       credentials=engine_security.channel_credentials(),
                       interceptors=engine_security.aio_client_interceptors())
-    servicer = FrontendServicer(pool, RequestIdMap())
+    registry = new_registry()
+    servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(pool, registry))
+    metrics_endpoint = (
+        start_metrics_endpoint(registry, options.metrics_host, options.metrics_port)
+        if options.metrics_port is not None else None
+    )
     add_service(server, servicer, frontend_pb2.DESCRIPTOR.services_by_name["Frontend"])
     bound = add_port(server, f"{options.host}:{options.port}", options.security)
     if bound == 0:
@@ -107,6 +116,8 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     await health.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     await pool.close()
+    if metrics_endpoint is not None:
+        metrics_endpoint.close()
     log.info("frontend_stopped")
     return 0
 

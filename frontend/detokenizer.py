@@ -104,7 +104,10 @@ class IncrementalDetokenizer:
         # the last few of them. Once too much is held, every held boundary is tried (rare and
         # bounded) before giving up and emitting U+FFFD.
         give_up = end - self._read >= _MAX_HELD_TOKENS
-        lowest = self._read + 1 if give_up else max(end - len(token_ids) + 1, self._read + 1, end - _TAIL_LOOKBACK)
+        if give_up:
+            lowest = self._read + 1
+        else:
+            lowest = max(end - len(token_ids) + 1, self._read + 1, end - _TAIL_LOOKBACK)
         delta = self._emit_clean_prefix(lowest)
         if delta is not None:
             return delta

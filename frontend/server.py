@@ -18,6 +18,8 @@ from google.protobuf import json_format, struct_pb2
 
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.engine_pool import EnginePool, EngineReplica, NoEngineAvailable
+from tandem.frontend.metrics import FrontendMetrics
+from tandem.frontend.observe import RequestObservation
 from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.request_ids import DuplicateRequestId, RequestIdMap
 from tandem.grpc_service import reject_malformed
@@ -36,13 +38,15 @@ class ActiveRequest:
     external_id: str
     internal_ids: list[str]
     replica: EngineReplica | None = None
+    observation: RequestObservation | None = None
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     """Implements Generate / Stream / Utility on top of an `EnginePool`."""
 
-    def __init__(self, pool: EnginePool, ids: RequestIdMap) -> None:
+    def __init__(self, pool: EnginePool, ids: RequestIdMap, metrics: FrontendMetrics | None = None) -> None:
         self.pool = pool
+        self.metrics = metrics if metrics is not None else FrontendMetrics(pool)
         # Set by `attach` once the engines are ready and the tokenizer is loaded; until then
         # every request gets UNAVAILABLE (the handlers must be registered before the server starts).
         self.builder: RequestBuilder | None = None
@@ -58,14 +62,22 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------------
     async def Stream(self, request, context):
-        async for msg in self._run(request, context, stream=True):
-            yield msg
+        with self._observe(request, context, "Stream") as obs:
+            async for msg in self._run(request, context, stream=True, obs=obs):
+                obs.tracker.on_response(msg)
+                yield msg
 
     async def Generate(self, request, context):
         final = None
-        async for msg in self._run(request, context, stream=False):
-            final = msg
+        with self._observe(request, context, "Generate") as obs:
+            async for msg in self._run(request, context, stream=False, obs=obs):
+                obs.tracker.on_response(msg)
+                final = msg
         return final
+
+    def _observe(self, request, context, method: str) -> RequestObservation:
+        # A request that failed to parse has no ID; `_run` rejects it.
+        return RequestObservation(context, method, self.metrics, getattr(request, "request_id", ""))
 
     async def Utility(self, request, context):
         await reject_malformed(request, context)
@@ -117,7 +129,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         return common_pb2.UtilityResponse(command=cmd, result=s)
 
     # -- the request path ------------------------------------------------------------------------------
-    async def _run(self, request, context, stream: bool):
+    async def _run(self, request, context, stream: bool, obs: RequestObservation):
         arrival = time.monotonic()
         await reject_malformed(request, context)
         if self.builder is None:
@@ -133,7 +145,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is in flight")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
-        active = ActiveRequest(reg.external_id, reg.internal_ids)
+        obs.registered(reg.external_id, reg.internal_ids)
+        active = ActiveRequest(reg.external_id, reg.internal_ids, observation=obs)
         self.active[reg.external_id] = active
         try:
             loop = asyncio.get_running_loop()
@@ -147,6 +160,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 active.replica = self.pool.pick()
             except NoEngineAvailable as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            obs.note(engine=active.replica.address)
             async for msg in self._fan_out(prepared, active, context, stream, arrival):
                 yield msg
         finally:
@@ -158,12 +172,15 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         choices = [self.builder.choice_state(prepared, i) for i in range(len(prepared.engine_requests))]
         queue: asyncio.Queue = asyncio.Queue()
         deadline = context.time_remaining()
-        calls = [replica.stub.Stream(er, timeout=deadline) for er in prepared.engine_requests]
+        obs = active.observation
+        metadata = obs.engine_metadata()  # the client's trace continues on the engine hop
+        calls = [replica.stub.Stream(er, timeout=deadline, metadata=metadata) for er in prepared.engine_requests]
         replica.in_flight += 1
 
         async def pump(i: int) -> None:
             try:
                 async for resp in calls[i]:
+                    obs.tracker.on_engine_message(i, len(resp.token_ids))
                     await queue.put((i, resp, None))
                     if choices[i].finished:
                         break

@@ -97,31 +97,26 @@ class TextTokenizer:
     def from_pretrained(cls, path: str | os.PathLike[str], trust_remote_code: bool = False) -> TextTokenizer:
         """Loads the tokenizer of a Hugging Face model directory, preferring the fast one."""
         path = os.fspath(path)
-        fast_error: Exception | None = None
-        fast: PreTrainedTokenizerBase | None = None
-        try:
-            fast = AutoTokenizer.from_pretrained(path, use_fast=True, trust_remote_code=trust_remote_code)
-        except Exception as exc:  # noqa: BLE001 - any loader failure means "try the slow one"
-            fast_error = exc
-            logger.warning("fast tokenizer failed to load, trying the slow one", path=path, error=repr(exc))
-
-        fast_score = _probe(fast) if fast is not None else None
-        chosen, score = fast, fast_score
-        if fast_score is None or fast_score < 1.0:
-            slow: PreTrainedTokenizerBase | None = None
+        candidates: list[tuple[PreTrainedTokenizerBase, float]] = []
+        errors: list[str] = []
+        for use_fast in (True, False):
+            if candidates and candidates[0][1] >= 1.0:
+                break  # the fast tokenizer round-trips: no reason to look further
+            label = "fast" if use_fast else "slow"
             try:
-                slow = AutoTokenizer.from_pretrained(path, use_fast=False, trust_remote_code=trust_remote_code)
-            except Exception as exc:  # noqa: BLE001
-                if fast is None:
-                    raise ValueError(f"cannot load a tokenizer from {path!r}: {fast_error!r}; slow: {exc!r}") from exc
-                logger.warning("slow tokenizer failed to load", path=path, error=repr(exc))
+                tok = AutoTokenizer.from_pretrained(path, use_fast=use_fast, trust_remote_code=trust_remote_code)
+            except Exception as exc:  # noqa: BLE001 - any loader failure means "try the other one"
+                errors.append(f"{label}: {exc!r}")
+                logger.warning("tokenizer failed to load", path=path, kind=label, error=repr(exc))
+                continue
             # Recent transformers hand back the fast class again when no slow implementation
             # exists; probing it twice would tell us nothing new.
-            if slow is not None and (fast is None or type(slow) is not type(fast) or not slow.is_fast):
-                slow_score = _probe(slow)
-                if score is None or slow_score > score:
-                    chosen, score = slow, slow_score
-        assert chosen is not None and score is not None
+            if candidates and tok.is_fast and type(tok) is type(candidates[0][0]):
+                continue
+            candidates.append((tok, _probe(tok)))
+        if not candidates:
+            raise ValueError(f"cannot load a tokenizer from {path!r}: {'; '.join(errors)}")
+        chosen, score = max(candidates, key=lambda c: c[1])  # first (fast) wins ties
         passed = score >= 1.0
         kind = "fast" if chosen.is_fast else "slow"
         if not passed:
@@ -182,7 +177,7 @@ class TextTokenizer:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
         if not isinstance(rendered, str):
             raise TypeError(f"chat template rendered {type(rendered).__name__}, expected str")
-        return self.encode(rendered, add_special_tokens=False)
+        return self.encode(rendered)
 
     # -- stops -----------------------------------------------------------------------------------
     def encode_stop_strings(self, stops: Sequence[str]) -> list[list[int]]:

@@ -12,6 +12,7 @@ import torch
 
 from tandem.kernels._utils import (
     FLOAT_DTYPES,
+    cast,
     check_contiguous_last_dim,
     check_dtype,
     check_same_device,
@@ -54,9 +55,9 @@ def _store_kv_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
     dst_off = dst + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst_off, cast(k, k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(v_cache_ptr + dst_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst_off, cast(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def check_kv_cache_args(

@@ -102,9 +102,9 @@ def _rope_kernel(
         if slot >= 0:
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
             dst_lo = dst + kh[:, None] * stride_ch + half[None, :]
-            tl.store(k_cache_ptr + dst_lo, k1_rot.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+            tl.store(k_cache_ptr + dst_lo, cast(k1_rot, k_cache_ptr.dtype.element_ty), mask=k_mask)
             tl.store(
-                k_cache_ptr + dst_lo + HALF, k2_rot.to(k_cache_ptr.dtype.element_ty), mask=k_mask
+                k_cache_ptr + dst_lo + HALF, cast(k2_rot, k_cache_ptr.dtype.element_ty), mask=k_mask
             )
             dims = tl.arange(0, DIM_PAD)
             if 2 * HALF < HEAD_DIM:  # partial rotary: the un-rotated tail goes to the cache too
@@ -115,7 +115,7 @@ def _rope_kernel(
                 )
                 tl.store(
                     k_cache_ptr + dst + kh[:, None] * stride_ch + dims[None, :],
-                    tail.to(k_cache_ptr.dtype.element_ty),
+                    cast(tail, k_cache_ptr.dtype.element_ty),
                     mask=tail_mask,
                 )
             v_mask = kh_mask[:, None] & (dims < HEAD_DIM)[None, :]
@@ -124,7 +124,7 @@ def _rope_kernel(
             )
             tl.store(
                 v_cache_ptr + dst + kh[:, None] * stride_ch + dims[None, :],
-                v.to(v_cache_ptr.dtype.element_ty),
+                cast(v, v_cache_ptr.dtype.element_ty),
                 mask=v_mask,
             )
 

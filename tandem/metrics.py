@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -82,6 +89,9 @@ def start_metrics_endpoint(registry: CollectorRegistry, host: str, port: int) ->
     The server runs on its own thread, so a scrape never waits on the asyncio loop or the
     engine thread; collectors that read engine state read the engine's last snapshot.
     """
+    # The `_created` timestamp series double the scrape's size and nothing here reads them
+    # (vLLM turns them off too). The switch is process-wide; only server processes get here.
+    disable_created_metrics()
     server, thread = start_http_server(port, addr=host, registry=registry)
     bound = server.server_address[1]
     log.info("metrics_listening", address=f"{host}:{bound}")

@@ -92,7 +92,8 @@ class RequestScope:
         emit = log.warning if self.code in _SERVER_FAULTS else log.info
         # The bound fields are passed explicitly too: a stream closed by the generator finaliser
         # exits in a context where they were never bound.
-        emit("request_end", **self._bound, method=self.method, code=self.code,
-             latency_s=round(self.latency, 6), **self.fields)
+        line = {**self._bound, "method": self.method, "code": self.code, "latency_s": round(self.latency, 6)}
+        line.update(self.fields)
+        emit("request_end", **line)
         structlog.contextvars.unbind_contextvars(*self._bound)
         return False

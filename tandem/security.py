@@ -225,7 +225,7 @@ class SecurityOptions:
 
         An interceptor rather than call credentials: gRPC refuses call credentials on plaintext
         channels, and a token over plaintext is legitimate behind a mesh that terminates mTLS."""
-        return [TokenMetadataInterceptor(self.call_metadata())] if self.auth else []
+        return metadata_interceptors(self.call_metadata()) if self.auth else []
 
     def warn_if_weak(self, side: str, host: str | None = None) -> None:
         """Logs a warning for a token that would travel in clear text off this machine."""
@@ -317,13 +317,8 @@ def _denial(handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, 
     return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
 
 
-class TokenMetadataInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds fixed metadata (the bearer token) to every call of an asyncio channel."""
+class _MetadataAdder:
+    """Adds fixed metadata (the bearer token) to the details of an outgoing call."""
 
     def __init__(self, metadata: list[tuple[str, str]]) -> None:
         self._metadata = list(metadata)
@@ -336,14 +331,29 @@ class TokenMetadataInterceptor(
             merged.add(key, value)
         return details._replace(metadata=merged)
 
+
+class _UnaryUnaryMetadata(_MetadataAdder, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _UnaryStreamMetadata(_MetadataAdder, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _StreamUnaryMetadata(_MetadataAdder, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
 
+
+class _StreamStreamMetadata(_MetadataAdder, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
+
+
+def metadata_interceptors(metadata: list[tuple[str, str]]) -> list[grpc.aio.ClientInterceptor]:
+    """One interceptor per call kind: an asyncio channel files each interceptor under the first
+    kind it implements, so a single class covering all four would miss streaming calls."""
+    kinds = (_UnaryUnaryMetadata, _UnaryStreamMetadata, _StreamUnaryMetadata, _StreamStreamMetadata)
+    return [kind(metadata) for kind in kinds]

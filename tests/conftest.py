@@ -49,13 +49,17 @@ def wait_serving(address: str, service: str, timeout: float, proc: subprocess.Po
 class ServerProcess:
     """A `tandem` subcommand in its own process (real gRPC, real model)."""
 
-    def __init__(self, args: list[str], env: dict | None = None) -> None:
+    def __init__(self, args: list[str], env: dict | None = None, stderr: Path | None = None) -> None:
         self.args = args
         full_env = dict(os.environ)
         full_env.setdefault("TANDEM_LOG_LEVEL", "warning")
         full_env.update(env or {})
         # -P: never let the working directory shadow installed packages.
-        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "tandem.cli", *args], env=full_env, cwd="/")
+        # stderr: a file for the process's log lines (the engine child of `serve` shares it);
+        # opened for append so that two processes writing lines never overwrite each other.
+        self._stderr = open(stderr, "ab") if stderr is not None else None
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "tandem.cli", *args], env=full_env, cwd="/",
+                                     stderr=self._stderr)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -65,15 +69,19 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._stderr is not None:
+            self._stderr.close()
         return self.proc.returncode
 
 
 def start_serve(extra: list[str] | None = None, timeout: float = 300.0, env: dict | None = None,
-                credentials: grpc.ChannelCredentials | None = None) -> tuple[ServerProcess, str, str]:
+                credentials: grpc.ChannelCredentials | None = None,
+                stderr: Path | None = None) -> tuple[ServerProcess, str, str]:
     """Starts `tandem serve` (engine child + frontend); returns (process, frontend, engine) addresses."""
     fport, eport = free_port(), free_port()
     server = ServerProcess(
-        ["serve", "--host", "127.0.0.1", "--port", str(fport), "--engine-port", str(eport), *(extra or [])], env=env
+        ["serve", "--host", "127.0.0.1", "--port", str(fport), "--engine-port", str(eport), *(extra or [])], env=env,
+        stderr=stderr,
     )
     frontend, engine = f"127.0.0.1:{fport}", f"127.0.0.1:{eport}"
     try:

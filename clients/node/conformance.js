@@ -13,7 +13,7 @@
 const assert = require('assert/strict');
 const { TandemClient, grpc } = require('./tandem_client');
 
-const CHECK_TIMEOUT_MS = 120000; // per check; CPU CI machines are slow and shared
+const CHECK_TIMEOUT_MS = 60000; // per check; CPU CI machines are slow and shared
 const IDLE_TIMEOUT_MS = 15000; // how long freed resources may take to show in STATS
 const POLL_INTERVAL_MS = 50;
 

@@ -121,6 +121,13 @@ function callOptions(deadlineMs) {
   return deadlineMs == null ? {} : { deadline: new Date(Date.now() + deadlineMs) };
 }
 
+/** Call metadata: `authorization: Bearer <token>` when the server was started with a token. */
+function callMetadata(token) {
+  const metadata = new grpc.Metadata();
+  if (token) metadata.set('authorization', `Bearer ${token}`);
+  return metadata;
+}
+
 /**
  * Promise-based client for one frontend address. Errors are grpc-js ServiceErrors: compare
  * `err.code` with `grpc.status.*`; `err.details` is the server's message.
@@ -129,11 +136,14 @@ class TandemClient {
   /**
    * @param {string} address host:port of a Tandem frontend.
    * @param {object} [opts]
-   * @param {grpc.ChannelCredentials} [opts.credentials] default: insecure.
+   * @param {grpc.ChannelCredentials} [opts.credentials] default: insecure
+   *   (e.g. `grpc.credentials.createSsl(caPem)` for a frontend started with TLS).
+   * @param {string} [opts.token] bearer token, for a frontend that requires one.
    * @param {string} [opts.protoRoot] folder that contains `tandem/v1/*.proto`.
    */
-  constructor(address, { credentials, protoRoot } = {}) {
+  constructor(address, { credentials, token, protoRoot } = {}) {
     const pkg = loadFrontendPackage(protoRoot);
+    this.token = token;
     this.Frontend = pkg.tandem.v1.Frontend;
     this.stub = new this.Frontend(address, credentials || grpc.credentials.createInsecure(), {
       // Long generations with logprobs can exceed the 4 MiB default.
@@ -154,7 +164,9 @@ class TandemClient {
    */
   generate(request, { deadlineMs } = {}) {
     return new Promise((resolve, reject) => {
-      this.stub.Generate(request, callOptions(deadlineMs), (err, reply) => (err ? reject(err) : resolve(reply)));
+      this.stub.Generate(request, callMetadata(this.token), callOptions(deadlineMs), (err, reply) =>
+        err ? reject(err) : resolve(reply),
+      );
     });
   }
 
@@ -168,7 +180,7 @@ class TandemClient {
    * @param {{deadlineMs?: number}} [opts]
    */
   stream(request, onMessage, { deadlineMs } = {}) {
-    const call = this.stub.Stream(request, callOptions(deadlineMs));
+    const call = this.stub.Stream(request, callMetadata(this.token), callOptions(deadlineMs));
     call.on('data', onMessage);
     call.done = new Promise((resolve, reject) => {
       call.on('error', reject);
@@ -192,7 +204,7 @@ class TandemClient {
     if (requestId != null) request.request_id = requestId;
     if (args != null) request.args = objectToStruct(args);
     return new Promise((resolve, reject) => {
-      this.stub.Utility(request, callOptions(deadlineMs), (err, reply) =>
+      this.stub.Utility(request, callMetadata(this.token), callOptions(deadlineMs), (err, reply) =>
         err ? reject(err) : resolve(structToObject(reply.result)),
       );
     });

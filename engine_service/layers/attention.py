@@ -153,7 +153,9 @@ class Attention(nn.Module):
     `select_attention_backend`, shared by every layer of a model.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -171,4 +173,7 @@ class Attention(nn.Module):
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, backend={self.backend.name}"
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"backend={self.backend.name}"
+        )

@@ -41,7 +41,11 @@ def _split(n: int, tp_size: int, what: str) -> int:
 
 
 class _ShardedLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, shard_dim: int, tp_rank: int, tp_size: int) -> None:
+    """Holds one rank's uninitialised weight shard (split along `shard_dim`) and its loaders."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, shard_dim: int, tp_rank: int, tp_size: int
+    ) -> None:
         super().__init__()
         self.in_features = in_features  # this rank's shard
         self.out_features = out_features
@@ -67,7 +71,9 @@ class _ShardedLinear(nn.Module):
 class ColumnParallelLinear(_ShardedLinear):
     """Linear whose output features are split across tensor-parallel ranks (no communication)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         super().__init__(in_features, _split(out_features, tp_size, "out_features"), bias, 0, tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +83,9 @@ class ColumnParallelLinear(_ShardedLinear):
 class RowParallelLinear(_ShardedLinear):
     """Linear whose input features are split across ranks; partial outputs are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         super().__init__(_split(in_features, tp_size, "in_features"), out_features, bias, 1, tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,9 @@ class RotaryEmbedding(nn.Module):
     step and each attention layer calls `apply_rotary` on its queries and keys.
     """
 
-    def __init__(self, head_dim: int, rope: RopeConfig, max_position: int, max_position_embeddings: int | None = None) -> None:
+    def __init__(
+        self, head_dim: int, rope: RopeConfig, max_position: int, max_position_embeddings: int | None = None
+    ) -> None:
         super().__init__()
         inv_freq, magnitude = compute_inv_freq(rope, head_dim, max_position_embeddings or max_position)
         self.rotary_dim = 2 * inv_freq.numel()
@@ -140,7 +142,7 @@ class RotaryEmbedding(nn.Module):
         angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         table = torch.cat((angles.cos() * magnitude, angles.sin() * magnitude), dim=-1)
         # Kept in float32 whatever the model dtype: rotation is done in float32 (see apply_rotary).
-        self.register_buffer("cos_sin_cache", table.to(torch.get_default_device()), persistent=False)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = self.cos_sin_cache.index_select(0, positions)

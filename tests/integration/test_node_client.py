@@ -21,7 +21,7 @@ def test_node_client_conformance(serve):
     )
     out = subprocess.run(
         [node, str(NODE_DIR / "conformance.js"), serve["frontend"]],
-        cwd=NODE_DIR, capture_output=True, text=True, timeout=600,
+        cwd=NODE_DIR, capture_output=True, text=True, timeout=400,
     )
     results = {}
     for line in out.stdout.splitlines():

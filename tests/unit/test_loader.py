@@ -66,7 +66,8 @@ def test_smollm2_greedy_matches_transformers(smollm2_dir: Path, hf_model, hf_tok
     ours = build_model(resolve_model(str(smollm2_dir)), "cpu", torch.float32)
     cfg = ours.config
     block_size = 16
-    kv_caches = [torch.zeros(2, 32, block_size, cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+    shape = (2, 32, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    kv_caches = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
     chat = hf_tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
     )
@@ -130,7 +131,10 @@ def test_concurrent_resolves_convert_once(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(loader, "_convert_gguf_into", fake_converter(calls, delay=0.3))
     cache = tmp_path / "cache"
     results: list[str] = []
-    threads = [threading.Thread(target=lambda: results.append(resolve_model(str(gguf), str(cache)).path)) for _ in range(3)]
+    def resolve() -> None:
+        results.append(resolve_model(str(gguf), str(cache)).path)
+
+    threads = [threading.Thread(target=resolve) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
@@ -191,7 +195,8 @@ def test_load_weights_by_name_casts_and_ties(tmp_path: Path) -> None:
     names = sorted(tensors)
     half = len(names) // 2
     save_file({k: tensors[k].bfloat16() for k in names[:half]}, str(path / "a.safetensors"))
-    rest = {k: tensors[k].bfloat16() for k in names[half:]} | {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}
+    rest = {k: tensors[k].bfloat16() for k in names[half:]}
+    rest["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
     save_file(rest, str(path / "b.safetensors"))
     model = build_model(resolve_model(str(path)), "cpu", torch.float32)
     state = model.state_dict()

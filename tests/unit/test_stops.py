@@ -55,6 +55,26 @@ def test_random_texts_and_splits_match_naive_search() -> None:
             assert (got, matched) == expected, (text, stops, include)
 
 
+def test_self_overlapping_stops_over_a_tiny_alphabet() -> None:
+    # Stops like "aab" or "abab" overlap themselves: the held part must be the longest
+    # suffix that could still grow into a stop, not just any.
+    rng = random.Random(7)
+    for _ in range(400):
+        stops = list({"".join(rng.choices("ab", k=rng.randint(2, 5))) for _ in range(rng.randint(1, 3))})
+        text = "".join(rng.choices("ab", k=rng.randint(0, 30)))
+        expected = naive(text, stops, False)
+        for _ in range(3):
+            got, matched, _ = run(text, stops, False, random_splits(rng, len(text)))
+            assert (got, matched) == expected, (text, stops)
+
+
+def test_longest_possible_start_is_held() -> None:
+    m = StopStringMatcher(["aab"])
+    assert m.feed("xaa").text == "x"
+    r = m.feed("b")
+    assert (r.text, r.matched) == ("", "aab")
+
+
 def test_stop_across_many_deltas_is_never_partially_emitted() -> None:
     m = StopStringMatcher(["<|END|>"])
     emitted = ""

@@ -285,3 +285,11 @@ def test_no_loadable_tokenizer_raises(monkeypatch, tmp_path) -> None:
     _patch_loader(monkeypatch, OSError("fast broken"), OSError("slow broken"))
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         TextTokenizer.from_pretrained(tmp_path)
+
+
+def test_slow_request_answered_with_the_same_fast_class_is_not_preferred(monkeypatch, hf, tmp_path) -> None:
+    # transformers 5 returns the fast class for use_fast=False when there is no slow one.
+    fast = _Fake(hf, is_fast=True, mangle=_strip_accents)
+    calls = _patch_loader(monkeypatch, fast, _Fake(hf, is_fast=True))
+    t = TextTokenizer.from_pretrained(tmp_path)
+    assert (t.kind, t.probe_passed, t.hf_tokenizer, calls) == ("fast", False, fast, [True, False])
