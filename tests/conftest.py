@@ -134,6 +134,12 @@ def client(serve):
 
 
 @pytest.fixture(scope="session")
+def get_free_port():
+    """`free_port` for test modules (conftest is not importable under --import-mode=importlib)."""
+    return free_port
+
+
+@pytest.fixture(scope="session")
 def launch_serve(smollm2_dir):
     """Factory for extra `tandem serve` processes with their own flags; all stopped at the end."""
     started: list[ServerProcess] = []

@@ -114,7 +114,8 @@ def secured(tmp_path_factory, launch_serve):
         "--tls-cert", str(fe_cert), "--tls-key", str(fe_key), "--tls-client-ca", str(public.path),
         "--auth-token-file", str(token_file),
         # frontend → engine: TLS + mTLS (internal CA) on both ends; token from the environment
-        "--engine-tls-cert", str(en_cert), "--engine-tls-key", str(en_key), "--engine-tls-client-ca", str(internal.path),
+        "--engine-tls-cert", str(en_cert), "--engine-tls-key", str(en_key),
+        "--engine-tls-client-ca", str(internal.path),
         "--engine-tls-ca", str(internal.path),
         "--engine-tls-client-cert", str(fe_client_cert), "--engine-tls-client-key", str(fe_client_key),
     ]

@@ -79,7 +79,8 @@ def test_tls_flag_combinations(pem, tmp_path):
 
 
 def test_serve_engine_hop_implies_client_tls(pem):
-    args = parse(["--engine-tls-cert", pem["cert"], "--engine-tls-key", pem["key"]], "engine-", server=True, client=True)
+    argv = ["--engine-tls-cert", pem["cert"], "--engine-tls-key", pem["key"]]
+    args = parse(argv, "engine-", server=True, client=True)
     assert SecurityOptions.from_args(args, "engine-").client_tls
     # A frontend alone (client side only) dials plaintext unless told otherwise.
     assert not SecurityOptions.from_args(parse([], "engine-", server=False, client=True), "engine-").client_tls

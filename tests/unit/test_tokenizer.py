@@ -118,16 +118,22 @@ def test_chat_template_matches_hf(tok: TextTokenizer, hf, gen: bool) -> None:
         assert tok.apply_chat_template(messages, add_generation_prompt=gen) == expected
 
 
-def test_chat_template_does_not_add_special_tokens_twice(smol_dir: Path, tmp_path: Path, hf) -> None:
-    # A tokenizer that adds BOS on encode: the rendered template must not get a second one.
-    d = tmp_path / "bos"
-    shutil.copytree(smol_dir, d)
-    t = AutoTokenizer.from_pretrained(d)
+def test_chat_template_does_not_add_special_tokens_twice(hf) -> None:
+    from tokenizers import processors
+
+    # A tokenizer that adds BOS on encode (as Llama's do): the rendered template already
+    # starts with BOS and must not get a second one.
+    t = copy.deepcopy(hf)
+    t.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", hf.bos_token_id)]
+    )
+    assert t.encode("hi")[0] == hf.bos_token_id  # the premise
     t.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    wrapped = TextTokenizer(copy.deepcopy(t), kind="fast", probe_passed=True)
+    wrapped = TextTokenizer(t, kind="fast", probe_passed=True)
     ids = wrapped.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False)
     assert ids == hf.encode("<|im_start|>hi\n", add_special_tokens=False)
     assert ids.count(hf.bos_token_id) == 1
+    assert wrapped.encode("hi") == [hf.bos_token_id, *hf.encode("hi", add_special_tokens=False)]
 
 
 def test_chat_template_kwargs_reach_the_template(hf) -> None:
@@ -192,6 +198,18 @@ def test_stop_sequences_catch_the_stop_in_context(tok: TextTokenizer, hf) -> Non
         ids = hf.encode(cut, add_special_tokens=False)
         mine = [s for s, o in zip(sequences, owner) if STOPS[o] == stop]
         assert any(ids[-len(s) :] == s for s in mine), (context, stop)
+
+
+def test_stop_sequences_do_not_start_with_a_split_off_space(tok: TextTokenizer, hf) -> None:
+    # " 你好" and "  Done" tokenize with the space as its own token; without it the sequence
+    # is the plain encoding again, so no extra (over-specific) sequence may appear.
+    stops = ["你好", " Done", "{", "}}"]
+    sequences, owner = tok.encode_stop_strings_with_owner(stops)
+    space = hf.encode(" ", add_special_tokens=False)
+    for seq, i in zip(sequences, owner):
+        if seq[:1] == space:
+            assert seq == hf.encode(stops[i], add_special_tokens=False)
+    assert [s for s, i in zip(sequences, owner) if i == 0] == [hf.encode("你好", add_special_tokens=False)]
 
 
 def test_stop_encoding_skips_empty_and_dedupes(tok: TextTokenizer) -> None:
