@@ -177,7 +177,7 @@ class TextTokenizer:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
         if not isinstance(rendered, str):
             raise TypeError(f"chat template rendered {type(rendered).__name__}, expected str")
-        return self.encode(rendered, add_special_tokens=False)
+        return self.encode(rendered)
 
     # -- stops -----------------------------------------------------------------------------------
     def encode_stop_strings(self, stops: Sequence[str]) -> list[list[int]]:
@@ -202,7 +202,7 @@ class TextTokenizer:
                 continue
             plain = self.encode(stop, add_special_tokens=False)
             spaced = self.encode(" " + stop, add_special_tokens=False)
-            if False:
+            if spaced and self.decode(spaced[:1], skip_special_tokens=False) == " ":
                 spaced = spaced[1:]
             for seq in (plain, spaced):
                 key = tuple(seq)
