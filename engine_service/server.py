@@ -95,6 +95,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             async for msg in self._stream(request, context):
                 if msg.finish_reason:
                     _note_end(scope, msg)
+                    scope.final_response_sent()
                 yield msg
 
     async def Generate(self, request, context):

@@ -51,8 +51,8 @@ class RequestBuilder:
 
     def tokenizer_info(self) -> dict:
         return {
-            "kind": getattr(self.tokenizer, "kind", ""),
-            "round_trip_ok": bool(getattr(self.tokenizer, "probe_ok", True)),
+            "kind": self.tokenizer.kind,
+            "round_trip_ok": bool(self.tokenizer.probe_passed),
             "eos_token_ids": list(self.tokenizer.eos_token_ids),
         }
 
@@ -108,12 +108,7 @@ class RequestBuilder:
     def prepare(self, request: frontend_pb2.GenerateRequest, external_id: str, internal_ids: list[str]) -> PreparedRequest:
         prompt = self._prompt_ids(request)
         stops = list(request.stop)
-        sequences: list[list[int]] = []
-        owner: list[int] = []
-        for idx, stop in enumerate(stops):
-            for seq in self.tokenizer.encode_stop_strings([stop]):
-                sequences.append(seq)
-                owner.append(idx)
+        sequences, owner = self.tokenizer.encode_stop_strings_with_owner(stops) if stops else ([], [])
         # Validates every sampling field against the model (raises InvalidRequest).
         sampling_from_proto(request.sampling, self.limits, len(prompt), sequences)
         kv = request.kv_transfer_params if request.HasField("kv_transfer_params") else None

@@ -65,6 +65,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         with self._observe(request, context, "Stream") as obs:
             async for msg in self._run(request, context, stream=True, obs=obs):
                 obs.tracker.on_response(msg)
+                if msg.HasField("usage"):  # only the last message carries usage
+                    obs.final_response_sent()
                 yield msg
 
     async def Generate(self, request, context):

@@ -145,6 +145,7 @@ class TextTokenizer:
             return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, **kwargs: Any) -> str:
+        """Text of `ids`; extra keyword arguments go to the wrapped tokenizer's decode."""
         with self._lock:
             return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens, **kwargs)
 
@@ -177,7 +178,7 @@ class TextTokenizer:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
         if not isinstance(rendered, str):
             raise TypeError(f"chat template rendered {type(rendered).__name__}, expected str")
-        return self.encode(rendered)
+        return self.encode(rendered, add_special_tokens=False)
 
     # -- stops -----------------------------------------------------------------------------------
     def encode_stop_strings(self, stops: Sequence[str]) -> list[list[int]]:
@@ -187,8 +188,9 @@ class TextTokenizer:
         what the client sees. A string tokenizes differently in context (" Hello" after a word
         is usually one token, "Hello" alone another), so each stop contributes its plain
         encoding and, when different, the encoding of " " + stop with a lone leading space
-        token removed. Either sequence at the end of the output decodes to text ending with
-        the stop, so an early stop never fires where the text would not match.
+        token removed. Either sequence decodes to text containing the stop, so an early stop
+        fires only where the stop text is really there (a stop that is a special token's text
+        is the exception when special tokens are skipped: the text match never sees it).
         """
         return self.encode_stop_strings_with_owner(stops)[0]
 

@@ -24,7 +24,7 @@ if which in ("decode", "all"):
             except Exception as e: res[f"decode {cfg} B{B}/{ctx}"] = repr(e)[:100]
         print(json.dumps(res), flush=True)
 if which in ("sampling", "all"):
-    for npv, nw, blk in itertools.product((4, 8, 16), (4, 8, 16), (512, 1024, 2048)):
+    for npv, nw, blk in [(4,16,2048),(8,16,2048),(16,16,2048),(8,8,2048),(8,16,1024),(8,32,4096),(4,16,4096)]:
         sp._NUM_PIVOTS, sp._NUM_WARPS, sp._BLOCK = npv, nw, blk
         for c in gc._sampling_cases(False, dev, gen):
             try:

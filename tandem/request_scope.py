@@ -53,6 +53,7 @@ class RequestScope:
         self.trace = trace
         self.fields: dict = {}
         self.code: str | None = None
+        self._final_sent = False
         self.latency: float = 0.0
         self.start = time.monotonic()
         self._bound: dict = {}
@@ -73,6 +74,15 @@ class RequestScope:
         """Adds fields to the ending line only."""
         self.fields.update(fields)
 
+    def final_response_sent(self) -> None:
+        """The call's last message is handed to gRPC: the request itself is complete.
+
+        A cancel after this point is the caller hanging up once it has the end (the frontend
+        cancels an engine stream as soon as it reads the final message), so the call is logged
+        and counted as OK rather than CANCELLED.
+        """
+        self._final_sent = True
+
     def on_end(self, callback: Callable[["RequestScope"], None]) -> None:
         """Runs `callback(scope)` when the call ends, after `code` and `latency` are set."""
         self._on_end.append(callback)
@@ -83,6 +93,8 @@ class RequestScope:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.code = grpc_outcome(exc_type, self._context)
+        if self._final_sent and self.code == "CANCELLED":
+            self.code = "OK"
         self.latency = time.monotonic() - self.start
         try:
             for callback in self._on_end:

@@ -171,3 +171,21 @@ def test_grpc_outcome_names():
 def test_token_buckets():
     assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     assert token_buckets(300) == (1, 2, 5, 10, 20, 50, 100, 200)
+
+
+def test_cancel_after_the_final_response_is_ok():
+    from tandem.request_scope import RequestScope
+    from tandem.tracing import TraceContext
+
+    def end_with_cancel(final_sent: bool) -> str:
+        scope = RequestScope(_Context(remaining=5.0), "engine", "Stream", TraceContext.from_metadata(None),
+                             request_id="r")
+        with pytest.raises(asyncio.CancelledError):
+            with scope:
+                if final_sent:
+                    scope.final_response_sent()
+                raise asyncio.CancelledError
+        return scope.code
+
+    assert end_with_cancel(final_sent=False) == "CANCELLED"
+    assert end_with_cancel(final_sent=True) == "OK"
