@@ -53,10 +53,14 @@ class ModelConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0  # for dummy weights
     cache_dir: str | None = None  # where converted GGUF models are kept
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch reference on CPU; or torch / triton
+    enforce_eager: bool = False  # never capture CUDA graphs (decode runs eagerly)
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 
 
 @dataclass

@@ -1,13 +1,16 @@
 """Builds a step's model inputs (token ids + attention metadata) from the scheduled batch.
 
-Kept apart from the model runner so that fixed-size CUDA-graph buffers can later be filled by
-the same code (the host-side arrays built here are copied into them).
+Two stages: `prepare_host_inputs` computes every array on the host (numpy, from the sequences'
+Python lists, so nothing waits on the device), and `host_to_device` ships them. On CUDA the
+arrays go through `PinnedStaging` — packed into two reusable pinned buffers, copied with
+`non_blocking=True` — so building a step's inputs never stalls the host on the GPU. The CUDA-graph
+runner (`cuda_graphs.py`) pads the same host arrays and copies them into its fixed buffers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import numpy as np
@@ -43,7 +46,43 @@ def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:
     return seq.prompt_token_ids[start:] + seq.output_token_ids[: end - p]
 
 
-def build_model_inputs(batch: SequenceOf[ScheduledLike], block_size: int, device: torch.device) -> ModelInputs:
+@dataclass
+class HostInputs:
+    """A step's inputs as host arrays, before any device copy (see `AttentionMetadata`)."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B+1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    logits_indices: np.ndarray  # [S] int64
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return int(self.input_ids.shape[0]) == self.num_seqs
+
+
+_ARRAY_FIELDS = [f.name for f in fields(HostInputs) if not f.name.endswith("_cpu")]
+
+
+def build_model_inputs(
+    batch: SequenceOf[ScheduledLike],
+    block_size: int,
+    device: torch.device,
+    staging: PinnedStaging | None = None,
+) -> ModelInputs:
+    """`prepare_host_inputs` then `host_to_device` (through `staging` when given)."""
+    return host_to_device(prepare_host_inputs(batch, block_size), device, staging)
+
+
+def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> HostInputs:
     """Flatten the batch's new tokens and compute positions, cache slots and block tables.
 
     For each entry the new tokens are `seq.token_ids[c : c + num_new_tokens]` with
@@ -93,18 +132,79 @@ def build_model_inputs(batch: SequenceOf[ScheduledLike], block_size: int, device
     block_ids = block_tables[seq_index, positions // block_size].astype(np.int64)
     slot_mapping = block_ids * block_size + positions % block_size
 
-    def to_device(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
-
     input_ids = np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64, count=num_tokens)
-    metadata = AttentionMetadata(
-        positions=to_device(positions.astype(np.int64)),
-        slot_mapping=to_device(slot_mapping),
-        query_start_loc=to_device(query_start_loc),
-        seq_lens=to_device(seq_lens_np.astype(np.int32)),
-        block_tables=to_device(block_tables),
-        logits_indices=to_device(np.asarray(logits_indices, dtype=np.int64)),
+    return HostInputs(
+        input_ids=input_ids,
+        positions=positions.astype(np.int64),
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_np.astype(np.int32),
+        block_tables=block_tables,
+        logits_indices=np.asarray(logits_indices, dtype=np.int64),
         seq_lens_cpu=seq_lens,
         query_lens_cpu=query_lens,
     )
-    return ModelInputs(input_ids=to_device(input_ids), metadata=metadata)
+
+
+def host_to_device(host: HostInputs, device: torch.device, staging: PinnedStaging | None = None) -> ModelInputs:
+    """Device tensors for `host`: through `staging` (pinned, asynchronous) when given, else a
+    plain copy per array (a no-op view on CPU)."""
+    if staging is not None:
+        arrays = dict(zip(_ARRAY_FIELDS, staging.to_device([getattr(host, n) for n in _ARRAY_FIELDS])))
+    else:
+        arrays = {n: torch.from_numpy(getattr(host, n)).to(device, non_blocking=True) for n in _ARRAY_FIELDS}
+    input_ids = arrays.pop("input_ids")
+    metadata = AttentionMetadata(**arrays, seq_lens_cpu=host.seq_lens_cpu, query_lens_cpu=host.query_lens_cpu)
+    return ModelInputs(input_ids=input_ids, metadata=metadata)
+
+
+class PinnedStaging:
+    """Reusable pinned host buffers through which a step's arrays reach the GPU asynchronously.
+
+    All arrays of one dtype are packed into one pinned buffer and sent with one
+    `non_blocking` copy; the device tensors returned are views of that copy. A buffer is
+    refilled only after the copy that last read it has finished (an event wait — in practice
+    long done, since the sampler reads the previous step's tokens back before the next step is
+    built). Buffers grow to the next power of two when a step needs more.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._events: dict[torch.dtype, torch.cuda.Event] = {}
+
+    def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        event = self._events.get(dtype)
+        if event is not None:
+            event.synchronize()
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
+            size = 1 << max(numel - 1, 1023).bit_length()
+            buf = self._buffers[dtype] = torch.empty(size, dtype=dtype, pin_memory=True)
+        return buf
+
+    def to_device(self, arrays: SequenceOf[np.ndarray]) -> list[torch.Tensor]:
+        """One device tensor per array (same shape and dtype), in order."""
+        out: list[torch.Tensor | None] = [None] * len(arrays)
+        by_dtype: dict[np.dtype, list[int]] = {}
+        for i, a in enumerate(arrays):
+            by_dtype.setdefault(a.dtype, []).append(i)
+        for np_dtype, indices in by_dtype.items():
+            dtype = torch.from_numpy(np.empty(0, dtype=np_dtype)).dtype
+            total = sum(arrays[i].size for i in indices)
+            buf = self._buffer(dtype, total)
+            host = buf.numpy()
+            offset = 0
+            for i in indices:
+                host[offset : offset + arrays[i].size] = arrays[i].reshape(-1)
+                offset += arrays[i].size
+            packed = buf[:total].to(self.device, non_blocking=True)
+            if dtype not in self._events:
+                self._events[dtype] = torch.cuda.Event()
+            self._events[dtype].record(torch.cuda.current_stream(self.device))
+            offset = 0
+            for i in indices:
+                n = arrays[i].size
+                out[i] = packed[offset : offset + n].view(arrays[i].shape)
+                offset += n
+        return out  # type: ignore[return-value]

@@ -192,16 +192,23 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    resolved: ResolvedModel, device: torch.device | str, dtype: torch.dtype, seed: int = 0
+    resolved: ResolvedModel,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    attention_backend: str = "auto",
 ) -> LlamaForCausalLM:
-    """Construct the model on `device` in `dtype` and fill it (checkpoint or seeded dummy)."""
+    """Construct the model on `device` in `dtype` and fill it (checkpoint or seeded dummy).
+
+    `attention_backend` (`auto`, `torch`, `triton`) picks the attention implementation and,
+    with it, the op set of every layer (see `select_attention_backend`)."""
     start = time.monotonic()
     cls = get_model_class(resolved.config)
     cfg = cls.config_from_hf(resolved.config)
     device = torch.device(device)
     # Parameters are allocated uninitialised directly on the device: no CPU staging, no init cost.
     with torch.device(device), _default_dtype(dtype):
-        model = cls(cfg, select_attention_backend(device))
+        model = cls(cfg, select_attention_backend(device, attention_backend))
     if resolved.is_dummy:
         init_dummy_weights(model, seed)
     else:
@@ -209,6 +216,7 @@ def build_model(
         load_weights(model, resolved.path)
     log.info(
         "model loaded", cls=cls.__name__, dummy=resolved.is_dummy, device=str(device), dtype=str(dtype),
+        attention=model.attn_backend.name,
         seconds=round(time.monotonic() - start, 2),
     )
     return model.eval()

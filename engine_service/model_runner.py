@@ -8,7 +8,8 @@ import structlog
 import torch
 
 from tandem.engine_service.config import EngineConfig
-from tandem.engine_service.input_batch import ScheduledLike, build_model_inputs
+from tandem.engine_service.cuda_graphs import DecodeCudaGraphs, capture_sizes
+from tandem.engine_service.input_batch import PinnedStaging, ScheduledLike, host_to_device, prepare_host_inputs
 from tandem.engine_service.loader import build_model, read_eos_token_ids, resolve_model
 from tandem.engine_service.memory import MemoryPlan, estimate_activation_bytes, plan_kv_cache
 
@@ -36,6 +37,12 @@ class ModelRunner:
 
     `execute` turns a batch of `ScheduledSeq`-like entries into float32 logits for the entries
     that sample; it never changes the sequences (the scheduler advances them).
+
+    The KV cache holds `num_blocks + 1` blocks per layer: the block manager is given
+    `num_blocks`, and the last one (`scratch_block`) is where the dummy rows of a padded
+    CUDA-graph batch write. On CUDA, step inputs travel through pinned buffers without a host
+    sync, and pure-decode steps replay captured CUDA graphs (unless `enforce_eager`, or the
+    attention backend cannot be captured).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -47,7 +54,10 @@ class ModelRunner:
         resolved = resolve_model(mc.model, mc.cache_dir)
         self.model_path: str | None = resolved.path
         self.is_dummy = resolved.is_dummy
-        self.model = build_model(resolved, self.device, self.dtype, seed=mc.seed)
+        self.model = build_model(
+            resolved, self.device, self.dtype, seed=mc.seed, attention_backend=mc.attention_backend
+        )
+        self.attention_backend: str = self.model.attn_backend.name
         arch = self.model.config
         self.architecture = type(self.model).__name__
         self.arch_config = arch
@@ -75,15 +85,44 @@ class ModelRunner:
                 "kv cache smaller than one full-length sequence",
                 cache_tokens=self.num_blocks * self.block_size, max_model_len=self.max_model_len,
             )
-        shape = (2, self.num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        self.scratch_block = self.num_blocks  # one block past the pool the block manager sees
+        shape = (2, self.num_blocks + 1, self.block_size, arch.num_key_value_heads, arch.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_hidden_layers)
         ]
+        self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
+        self.cuda_graphs: DecodeCudaGraphs | None = None
+        if self.device.type == "cuda" and not mc.enforce_eager:
+            self._capture_cuda_graphs(config)
+
+    def _capture_cuda_graphs(self, config: EngineConfig) -> None:
+        if not self.model.attn_backend.supports_cuda_graphs:
+            log.info("cuda graphs off: the attention backend cannot be captured", backend=self.attention_backend)
+            return
+        graphs = DecodeCudaGraphs(
+            self.model, self.kv_caches,
+            sizes=capture_sizes(config.scheduler.max_num_seqs),
+            block_size=self.block_size,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            scratch_block=self.scratch_block,
+            num_kv_heads=self.arch_config.num_key_value_heads,
+            device=self.device,
+        )
+        try:
+            graphs.capture()
+        except Exception:  # a capture failure costs speed, not correctness: run eagerly, loudly
+            log.exception("cuda graph capture failed; decode runs eagerly")
+            return
+        self.cuda_graphs = graphs
 
     @torch.inference_mode()
     def execute(self, batch: SequenceOf[ScheduledLike]) -> torch.Tensor:
         """Run the batch's new tokens; float32 logits `[num_sampling, vocab]` in batch order."""
-        inputs = build_model_inputs(batch, self.block_size, self.device)
+        host = prepare_host_inputs(batch, self.block_size)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(host):
+            assert self._staging is not None
+            return self.cuda_graphs.run(host, self._staging)
+        inputs = host_to_device(host, self.device, self._staging)
         md = inputs.metadata
         hidden = self.model(inputs.input_ids, md.positions, self.kv_caches, md)
         return self.model.compute_logits(hidden.index_select(0, md.logits_indices)).float()

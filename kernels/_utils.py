@@ -116,10 +116,14 @@ class TritonKernel:
 
     def on(self, device: torch.device) -> Any:
         triton, language = _load_triton()
-        if device.type == "cpu" and not interpreter_enabled():
+        # Triton's own tl.sum & co. were decorated at its import; they must match our mode.
+        stdlib_interpreted = type(language.cdiv).__name__ == "InterpretedFunction"
+        if stdlib_interpreted != interpreter_enabled() or (
+            device.type == "cpu" and not stdlib_interpreted
+        ):
             raise RuntimeError(
-                "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is "
-                "first imported in this process"
+                "Triton kernels on CPU tensors need TRITON_INTERPRET=1, and it must be set (or "
+                "unset) before triton is first imported in the process"
             )
         if self._jitted is None:
             self._jitted = triton.jit(self.fn)

@@ -120,7 +120,8 @@ def _launch(
     if residual is not None and residual_out is None:
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=device)
     for name, t in (("out", out), ("residual_out", residual_out)):
-        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous()):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or t.device != device
+                              or not t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous {x.dtype} tensor of shape {list(x.shape)}")
     if n_rows == 0:
         return out, residual_out

@@ -210,7 +210,8 @@ def _launch(
 def apply_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` in place at ``positions [T]``; strided views
+    """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` in place at ``positions [T]`` (each below
+    ``cos_sin_cache.shape[0]``: not checked, that would need a device sync); strided views
     (slices of a fused qkv output) are fine. Returns ``(q, k)`` for chaining."""
     _launch(positions, q, k, cos_sin_cache, None, None, None)
     return q, k

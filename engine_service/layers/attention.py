@@ -5,18 +5,27 @@ index 0 = K, 1 = V. Token position p of a sequence lives at slot
 `block_table[p // block_size] * block_size + p % block_size` of the flattened
 `num_blocks * block_size` axis.
 
-`select_attention_backend` is the one place that decides which implementation runs; the
-Triton kernels (`tandem.kernels.paged_attention`) will be plugged in there for CUDA.
+`select_attention_backend` is the one place that decides which implementation runs: the Triton
+kernels (`layers/triton_backend.py`) on CUDA, the PyTorch reference on CPU, or what
+`ModelConfig.attention_backend` asks for.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
+
+import structlog
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = structlog.get_logger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -36,6 +45,9 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [S] int64: row of the last token of each sampling sequence
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    # Split-KV factor for the decode kernel; fixed per batch bucket by a captured CUDA graph
+    # (a graph replays one launch configuration), None lets the kernel choose from shapes.
+    decode_num_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -45,15 +57,16 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
-    @property
+    # Cached: every layer asks, and a Python scan per layer adds up at 256 sequences.
+    @cached_property
     def max_query_len(self) -> int:
         return max(self.query_lens_cpu, default=0)
 
-    @property
+    @cached_property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
 
-    @property
+    @cached_property
     def is_pure_decode(self) -> bool:
         """Every sequence contributes exactly one token (the decode-kernel fast path)."""
         return all(q == 1 for q in self.query_lens_cpu)
@@ -106,9 +119,17 @@ def paged_attention_reference(
 
 
 class AttentionBackend(Protocol):
-    """An implementation of paged attention: store this step's K/V, attend over the cache."""
+    """An implementation of paged attention: store this step's K/V, attend over the cache.
+
+    `fused_layers`: the model built on this backend uses the fused Triton layer kernels
+    (add + RMSNorm, SiLU·mul, merged projections) and calls `forward_rotary`, which applies
+    RoPE and stores K/V in one kernel. `supports_cuda_graphs`: `forward` has no host syncs
+    and no data-dependent shapes, so decode steps can be captured.
+    """
 
     name: str
+    fused_layers: bool
+    supports_cuda_graphs: bool
 
     def forward(
         self,
@@ -126,6 +147,9 @@ class TorchReferenceBackend:
     """Plain PyTorch paged attention (per-sequence SDPA); correct everywhere, fast nowhere."""
 
     name = "torch-reference"
+    fused_layers = False
+    # Loops over sequences with host-side lengths: shapes change with the data.
+    supports_cuda_graphs = False
 
     def forward(
         self,
@@ -140,10 +164,37 @@ class TorchReferenceBackend:
         return paged_attention_reference(q, kv_cache, metadata, scale)
 
 
-def select_attention_backend(device: torch.device | str) -> AttentionBackend:
-    """The single place that picks the attention implementation for a device."""
-    # Triton kernels (kernels/paged_attention.py) will be selected here for CUDA once they land.
-    return TorchReferenceBackend()
+def select_attention_backend(device: torch.device | str, choice: str = "auto") -> AttentionBackend:
+    """The single place that picks the attention implementation for a device.
+
+    `auto`: Triton on CUDA (when Triton is installed), the PyTorch reference elsewhere.
+    `torch` / `triton` force one; `triton` on CPU runs the kernels in Triton's interpreter
+    (`TRITON_INTERPRET=1`, for tests), and is refused when Triton was already imported
+    without it.
+    """
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {choice!r}")
+    device = torch.device(device)
+    # Imported here: the Triton backend pulls in the kernel modules, which the CPU path never needs.
+    from tandem.kernels._utils import interpreter_enabled, triton_available
+
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return TorchReferenceBackend()
+    if not triton_available():
+        if choice == "triton":
+            raise ValueError("attention backend 'triton' needs the triton package (pip install triton)")
+        log.warning("triton is not installed; using the PyTorch reference attention", device=str(device))
+        return TorchReferenceBackend()
+    # On CPU the kernels only run interpreted; the kernel loader turns the interpreter on by
+    # itself when Triton is not imported yet and no GPU exists, otherwise it must already be on.
+    interpretable = interpreter_enabled() or ("triton" not in sys.modules and not torch.cuda.is_available())
+    if device.type != "cuda" and not interpretable:
+        raise ValueError(
+            "attention backend 'triton' on CPU needs TRITON_INTERPRET=1 before triton is first imported"
+        )
+    from tandem.engine_service.layers.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
 
 
 class Attention(nn.Module):
@@ -170,6 +221,23 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`q [T, heads, d]`, `k`/`v [T, kv_heads, d]` -> `[T, heads * d]`."""
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def forward_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """As `forward`, with q/k not yet rotated: the backend applies RoPE at
+        `metadata.positions` from `cos_sin_cache` while it stores K/V (fused backends only)."""
+        rotary = getattr(self.backend, "forward_rotary", None)
+        if rotary is None:
+            raise TypeError(f"attention backend {self.backend.name!r} cannot fuse RoPE")
+        out = rotary(q, k, v, kv_cache, metadata, self.scale, cos_sin_cache)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

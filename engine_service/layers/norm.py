@@ -7,20 +7,24 @@ from typing import overload
 import torch
 from torch import nn
 
+from tandem.kernels.norm import fused_add_rmsnorm, rmsnorm
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension, with an optional fused residual add.
 
     `forward(x)` returns the normalised tensor. `forward(x, residual)` first forms
     `x + residual` (the new residual stream) and returns `(normalised, new_residual)`, so a
-    decoder layer never materialises the sum twice; a fused kernel can replace this later
-    without changing callers.
+    decoder layer never materialises the sum twice. `fused=True` (the Triton path) runs both
+    forms as one Triton kernel each, with the same roundings; `x` may then also be a strided
+    `[T, heads, N]` view (per-head q/k norm on a fused qkv output).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, fused: bool = False) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,10 +43,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}" + (", fused" if self.fused else "")

@@ -125,6 +125,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated if rest.numel() == 0 else torch.cat((rotated, rest), dim=-1)
 
 
+@dataclass(frozen=True)
+class RotaryInputs:
+    """One step's rotary inputs, computed once by the model and shared by every layer.
+
+    The PyTorch path rotates with the `cos`/`sin` rows gathered for the step's positions; a
+    fused kernel indexes `table` (`[max_position, rotary_dim]`, cos half then sin half) by
+    position itself, so nothing is gathered for it (`cos`/`sin` are None).
+    """
+
+    table: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
 class RotaryEmbedding(nn.Module):
     """Looks up cos/sin for a step's positions from a table precomputed up to `max_position`.
 
@@ -147,6 +161,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = self.cos_sin_cache.index_select(0, positions)
         return cos_sin.chunk(2, dim=-1)  # type: ignore[return-value]
+
+    def step_inputs(self, positions: torch.Tensor, gather: bool = True) -> RotaryInputs:
+        """The step's `RotaryInputs`; `gather=False` for a fused kernel that reads the table."""
+        if not gather:
+            return RotaryInputs(self.cos_sin_cache)
+        cos, sin = self(positions)
+        return RotaryInputs(self.cos_sin_cache, cos, sin)
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, max_position={self.max_position}"

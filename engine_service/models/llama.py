@@ -6,6 +6,11 @@ The variants differ only in a few switches read from the Hugging Face config:
 - Llama 3.x / YaRN models: RoPE frequency scaling (see `layers/rotary.py`).
 
 Parameter names match the Hugging Face checkpoints so safetensors load by name.
+
+Two op sets, chosen with the attention backend at construction (`backend.fused_layers`):
+the PyTorch one (the reference, and the CPU path) and the fused Triton one — q/k/v and gate/up
+each as one GEMM over merged weights (`layers/merged_linear.py`), add + RMSNorm, SiLU·mul and
+RoPE + KV store as single kernels. Both compute the same function with the same roundings.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine_service.layers.activation import silu_and_mul
@@ -26,8 +32,10 @@ from tandem.engine_service.layers.attention import (
 )
 from tandem.engine_service.layers.embedding import VocabEmbedding
 from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tandem.engine_service.layers.merged_linear import merge_column_linears
 from tandem.engine_service.layers.norm import RMSNorm
-from tandem.engine_service.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from tandem.engine_service.layers.rotary import RopeConfig, RotaryEmbedding, RotaryInputs, apply_rotary
+from tandem.kernels import activation as activation_kernels
 
 
 @dataclass(frozen=True)
@@ -54,13 +62,21 @@ class DecoderConfig:
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
 
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, fused: bool = False) -> None:
         super().__init__()
         self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.fused = fused
+        if fused:  # gate rows first: the layout silu_and_mul's kernel reads
+            weight, bias = merge_column_linears([self.gate_proj, self.up_proj])
+            self.register_buffer("gate_up_weight", weight, persistent=False)
+            self.register_buffer("gate_up_bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+            return self.down_proj(activation_kernels.silu_and_mul(gate_up))
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -75,26 +91,48 @@ class LlamaAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = ColumnParallelLinear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.num_heads * d, h, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.fused = backend.fused_layers
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, self.fused) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, self.fused) if cfg.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, backend)
+        if self.fused:
+            weight, bias = merge_column_linears([self.q_proj, self.k_proj, self.v_proj])
+            self.register_buffer("qkv_weight", weight, persistent=False)
+            self.register_buffer("qkv_bias", bias, persistent=False)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryInputs,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.fused:
+            return self.o_proj(self._forward_fused(x, rope, kv_cache, metadata))
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        assert rope.cos is not None and rope.sin is not None
+        q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
         return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+
+    def _forward_fused(
+        self, x: torch.Tensor, rope: RotaryInputs, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        # q, k, v are strided views of one [T, (H + 2 Hkv) * D] GEMM output; the kernels take
+        # them as they are (RoPE rotates q and k in place while it writes K/V to the cache).
+        t, d = x.shape[0], self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q_end, k_end = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
+        q = qkv[:, :q_end].view(t, self.num_heads, d)
+        k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, d)
+        v = qkv[:, k_end:].view(t, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.attn.forward_rotary(q, k, v, kv_cache, metadata, rope.table)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -102,17 +140,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
         super().__init__()
+        fused = backend.fused_layers
         self.self_attn = LlamaAttention(cfg, backend)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, fused)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
 
     def forward(
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryInputs,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +158,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, metadata)
+        hidden = self.self_attn(hidden, rope, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -132,7 +170,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused = backend.fused_layers
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.fused)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
 
     def forward(
@@ -142,10 +181,11 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        cos, sin = self.rotary_emb(positions)
+        # The fused RoPE kernel reads the table at metadata.positions (== positions) itself.
+        rope = self.rotary_emb.step_inputs(positions, gather=not self.fused)
         hidden, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, metadata)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -162,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         backend = attn_backend or select_attention_backend(torch.get_default_device())
+        self.attn_backend = backend
         self.model = LlamaModel(cfg, backend)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

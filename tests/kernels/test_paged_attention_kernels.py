@@ -167,10 +167,11 @@ def test_decode_default_splits_and_fp16() -> None:
 def test_choose_num_splits() -> None:
     # Big batches fill the GPU alone; small batches with long contexts split; short contexts don't.
     assert choose_num_splits(256, 8, 8192, 132) == 1
-    assert choose_num_splits(1, 8, 8192, 132) == 32
-    assert 1 < choose_num_splits(16, 8, 8192, 132) < 32
-    assert choose_num_splits(1, 8, 200, 132) == 1
-    assert choose_num_splits(1, 8, 1024, 132) == 4
+    assert choose_num_splits(1, 8, 8192, 132) == 64
+    assert choose_num_splits(4, 8, 8192, 132) == 16
+    assert choose_num_splits(32, 8, 8192, 132) == 2
+    assert choose_num_splits(1, 8, 1024, 132) == 16  # at least one 64-token tile per split
+    assert choose_num_splits(1, 8, 64, 132) == 1
 
 
 def test_decode_rejects_bad_arguments() -> None:

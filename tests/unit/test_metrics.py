@@ -8,15 +8,16 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.engine_service.engine import StepOutput
 from tandem.engine_service.metrics import EngineMetrics
 from tandem.engine_service.sequence import FinishReason
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.metrics import token_buckets
-from tandem.request_scope import grpc_outcome
+from tandem.request_scope import RequestScope, grpc_outcome
+from tandem.tracing import TraceContext
 from tandem.v1 import common_pb2, frontend_pb2
 
 MODEL = {"model_name": "m"}
@@ -174,9 +175,6 @@ def test_token_buckets():
 
 
 def test_cancel_after_the_final_response_is_ok():
-    from tandem.request_scope import RequestScope
-    from tandem.tracing import TraceContext
-
     def end_with_cancel(final_sent: bool) -> str:
         scope = RequestScope(_Context(remaining=5.0), "engine", "Stream", TraceContext.from_metadata(None),
                              request_id="r")

@@ -72,7 +72,9 @@ def test_runner_attributes(checkpoint) -> None:
     assert runner.eos_token_ids == (2, 5)  # from generation_config.json
     assert (runner.num_blocks, runner.block_size) == (48, BLOCK_SIZE)
     assert len(runner.kv_caches) == 2
-    assert runner.kv_caches[0].shape == (2, 48, BLOCK_SIZE, 2, 16)
+    # One block past the pool: the scratch block padded CUDA-graph rows write into.
+    assert runner.kv_caches[0].shape == (2, 48 + 1, BLOCK_SIZE, 2, 16)
+    assert runner.scratch_block == 48
     assert runner.architecture == "LlamaForCausalLM"
     assert ModelRunner(engine_config(str(path), max_model_len=100)).max_model_len == 100
     with pytest.raises(ValueError, match="max_position_embeddings"):

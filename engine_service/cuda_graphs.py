@@ -1,0 +1,222 @@
+"""CUDA graphs for decode: one captured forward (+ logits) per batch-size bucket.
+
+A pure-decode step (every sequence brings one token) of `n` sequences runs the graph of the
+smallest bucket >= n. The graphs read fixed device buffers — token ids, positions, slot mapping,
+sequence lengths and a block table as wide as `max_model_len` needs — so a step only copies its
+(padded) arrays into them and replays. Padding rows are dummies: token 0 at position 0 with
+sequence length 1, writing their K/V into a scratch block that the block manager never hands out
+(the runner allocates it past the pool), so they cannot disturb a real sequence; their logits are
+dropped. Steps with prefill tokens, and batches beyond the largest bucket, run eagerly.
+
+The split-KV decode kernel's split count is a launch parameter, so it is fixed per bucket at
+capture (from the bucket size and the block table's full width, never from the data).
+
+Capture happens once at start-up, after the KV cache is allocated: each bucket is first run
+eagerly (compiling every Triton variant it needs) and then captured, largest first, into one
+memory pool shared by all graphs (they never run at the same time).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+from torch import nn
+
+from tandem.engine_service.input_batch import HostInputs, PinnedStaging
+from tandem.engine_service.layers.attention import AttentionMetadata
+from tandem.kernels._utils import num_compute_units
+from tandem.kernels.paged_attention import choose_num_splits
+
+log = structlog.get_logger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Bucket sizes to capture, ascending: the standard buckets up to `max_num_seqs`, plus
+    `max_num_seqs` itself (at most 256) so every batch the scheduler can form has a graph."""
+    if max_num_seqs < 1:
+        raise ValueError("max_num_seqs must be >= 1")
+    cap = min(max_num_seqs, BATCH_BUCKETS[-1])
+    sizes = [b for b in BATCH_BUCKETS if b <= cap]
+    if sizes[-1] != cap:
+        sizes.append(cap)
+    return sizes
+
+
+def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest size >= `num_seqs` (sizes ascending), or None when none is large enough."""
+    for size in sizes:
+        if size >= num_seqs:
+            return size
+    return None
+
+
+def splits_per_bucket(
+    sizes: list[int], num_kv_heads: int, max_blocks_per_seq: int, block_size: int, num_units: int
+) -> dict[int, int]:
+    """The decode kernel's split-KV count for each bucket: chosen from the bucket size and the
+    block table's full width only, so it is the same at capture and at every replay."""
+    max_context = max_blocks_per_seq * block_size
+    return {b: choose_num_splits(b, num_kv_heads, max_context, num_units) for b in sizes}
+
+
+@dataclass
+class PaddedDecode:
+    """A decode step's arrays padded to a bucket (rows `num_seqs..bucket-1` are dummies)."""
+
+    input_ids: np.ndarray  # [bucket] int64
+    positions: np.ndarray  # [bucket] int64
+    slot_mapping: np.ndarray  # [bucket] int64
+    seq_lens: np.ndarray  # [bucket] int32
+    block_tables: np.ndarray  # [bucket, width] int32
+
+
+def pad_decode_inputs(host: HostInputs, bucket: int, scratch_block: int, block_size: int) -> PaddedDecode:
+    """Pad a pure-decode step to `bucket` rows of dummies that only touch `scratch_block`."""
+    n = host.num_seqs
+    if not host.is_pure_decode:
+        raise ValueError("only pure-decode steps (one token per sequence) can be padded for a graph")
+    if n > bucket:
+        raise ValueError(f"{n} sequences do not fit a bucket of {bucket}")
+    pad = bucket - n
+
+    def padded(a: np.ndarray, fill: int) -> np.ndarray:
+        return np.concatenate([a, np.full(pad, fill, dtype=a.dtype)])
+
+    tables = np.full((bucket, host.block_tables.shape[1]), scratch_block, dtype=np.int32)
+    tables[:n] = host.block_tables
+    return PaddedDecode(
+        input_ids=padded(host.input_ids, 0),
+        positions=padded(host.positions, 0),
+        slot_mapping=padded(host.slot_mapping, scratch_block * block_size),
+        seq_lens=padded(host.seq_lens, 1),
+        block_tables=tables,
+    )
+
+
+class DecodeCudaGraphs:
+    """Captured decode forward passes, one per bucket, over fixed input and metadata buffers.
+
+    `capture()` once at start-up; then `can_run(host)` / `run(host, staging)` per step. `run`
+    returns float32 logits of the sampling rows, like `ModelRunner.execute`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        *,
+        sizes: list[int],
+        block_size: int,
+        max_blocks_per_seq: int,
+        scratch_block: int,
+        num_kv_heads: int,
+        device: torch.device,
+    ) -> None:
+        if not sizes or sizes != sorted(set(sizes)):
+            raise ValueError(f"bucket sizes must be ascending and distinct, got {sizes}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = list(sizes)
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.scratch_block = scratch_block
+        self.device = device
+        self.num_splits = splits_per_bucket(
+            self.sizes, num_kv_heads, max_blocks_per_seq, block_size, num_compute_units(device)
+        )
+        largest = self.sizes[-1]
+        # The fixed buffers, initialised as all-dummy rows (what warm-up and capture run on).
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((largest,), scratch_block * block_size, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.full(
+            (largest, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
+        )
+        self._row_ids = torch.arange(largest, dtype=torch.int64, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._metadata: dict[int, AttentionMetadata] = {}
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def _metadata_for(self, bucket: int) -> AttentionMetadata:
+        # The host lists only steer kernel choice (pure decode) here; lengths live on the device.
+        return AttentionMetadata(
+            positions=self.positions[:bucket],
+            slot_mapping=self.slot_mapping[:bucket],
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            logits_indices=self._row_ids[:bucket],
+            seq_lens_cpu=[1] * bucket,
+            query_lens_cpu=[1] * bucket,
+            decode_num_splits=self.num_splits[bucket],
+        )
+
+    def _forward(self, bucket: int, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bucket], metadata.positions, self.kv_caches, metadata)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture every bucket, largest first, into one shared memory pool."""
+        start = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        for bucket in reversed(self.sizes):
+            metadata = self._metadata_for(bucket)
+            # Warm-up off the capture: compiles the Triton variants of this shape and lets
+            # cuBLAS set up its workspaces, neither of which may happen inside a capture.
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                self._forward(bucket, metadata)
+            main.wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(bucket, metadata)
+            self._graphs[bucket] = graph
+            self._logits[bucket] = logits  # kept alive: the graph writes here on every replay
+            self._metadata[bucket] = metadata
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "cuda graphs captured", sizes=self.sizes, num_splits=self.num_splits,
+            seconds=round(time.monotonic() - start, 1),
+        )
+
+    def can_run(self, host: HostInputs) -> bool:
+        """A pure-decode step that fits a captured bucket and the fixed block-table width."""
+        if not self._graphs or not host.is_pure_decode:
+            return False
+        return host.num_seqs <= self.captured_sizes[-1] and host.block_tables.shape[1] <= self.max_blocks_per_seq
+
+    def run(self, host: HostInputs, staging: PinnedStaging) -> torch.Tensor:
+        """Copy the padded step into the fixed buffers, replay, return the sampling rows' logits."""
+        bucket = bucket_for(host.num_seqs, self.captured_sizes)
+        if bucket is None or not self.can_run(host):
+            raise ValueError(f"no captured graph runs this step ({host.num_seqs} sequences)")
+        padded = pad_decode_inputs(host, bucket, self.scratch_block, self.block_size)
+        ids, pos, slots, lens, tables, rows = staging.to_device([
+            padded.input_ids, padded.positions, padded.slot_mapping, padded.seq_lens,
+            padded.block_tables, host.logits_indices,
+        ])
+        self.input_ids[:bucket].copy_(ids)
+        self.positions[:bucket].copy_(pos)
+        self.slot_mapping[:bucket].copy_(slots)
+        self.seq_lens[:bucket].copy_(lens)
+        # Columns past this step's width keep stale block ids: never read, as seq_lens bound reads.
+        self.block_tables[:bucket, : tables.shape[1]].copy_(tables)
+        self._graphs[bucket].replay()
+        # index_select copies, so the caller's logits survive the next replay.
+        return self._logits[bucket].index_select(0, rows).float()
