@@ -20,7 +20,7 @@ from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.engine import LLMEngine
 from tandem.engine_service.metrics import EngineMetrics
 from tandem.engine_service.server import SERVICE_NAME, EngineServicer
-from tandem.grpc_service import add_service
+from tandem.grpc_service import add_service, enable_reflection
 from tandem.health import add_health
 from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.protocol import Limits
@@ -41,6 +41,7 @@ class EngineServerOptions:
     security: SecurityOptions = field(default_factory=SecurityOptions)  # TLS/mTLS and token
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
+    reflection: bool = False  # serve grpc.reflection
 
 
 def model_info(engine: LLMEngine) -> dict:
@@ -71,6 +72,8 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     health = await add_health(server, SERVICE_NAME)
     servicer = EngineServicer()
     add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Engine"])
+    if options.reflection:
+        enable_reflection(server, [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name])
     bound = add_port(server, f"{options.host}:{options.port}", options.security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {options.host}:{options.port}")

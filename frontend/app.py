@@ -16,7 +16,7 @@ from tandem.frontend.request_builder import RequestBuilder
 from tandem.frontend.request_ids import RequestIdMap
 from tandem.frontend.server import SERVICE_NAME, FrontendServicer
 from tandem.frontend.tokenizer import TextTokenizer
-from tandem.grpc_service import add_service
+from tandem.grpc_service import add_service, enable_reflection
 from tandem.health import add_health
 from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.protocol import Limits
@@ -42,6 +42,7 @@ class FrontendOptions:
     engine_security: SecurityOptions = field(default_factory=SecurityOptions)  # frontend → engines (client side)
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
+    reflection: bool = False  # serve grpc.reflection
 
 
 async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> RequestBuilder:
@@ -85,6 +86,8 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
         if options.metrics_port is not None else None
     )
     add_service(server, servicer, frontend_pb2.DESCRIPTOR.services_by_name["Frontend"])
+    if options.reflection:
+        enable_reflection(server, [frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name])
     bound = add_port(server, f"{options.host}:{options.port}", options.security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {options.host}:{options.port}")

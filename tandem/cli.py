@@ -105,7 +105,8 @@ def cmd_engine(args) -> int:
     return run_engine(_engine_config(args), EngineServerOptions(host=args.host, port=args.port,
                                                                 default_max_tokens=args.default_max_tokens,
                                                                 drain_timeout=args.drain_timeout,
-                                                                security=_security(args), **_metrics_options(args)))
+                                                                security=_security(args), reflection=args.enable_reflection,
+                                                                **_metrics_options(args)))
 
 
 def cmd_frontend(args) -> int:
@@ -115,7 +116,7 @@ def cmd_frontend(args) -> int:
                                         tokenizer_path=args.tokenizer, served_model_name=args.served_model_name,
                                         default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
                                         security=_security(args), engine_security=_security(args, "engine-"),
-                                        **_metrics_options(args)))
+                                        reflection=args.enable_reflection, **_metrics_options(args)))
 
 
 def cmd_serve(args) -> int:
@@ -132,7 +133,8 @@ def cmd_serve(args) -> int:
         [sys.executable, "-P", "-m", "tandem.cli", "--log-level", args.log_level, "--log-format", args.log_format,
          "engine", "--host", args.engine_host, "--port", str(args.engine_port),
          "--default-max-tokens", str(args.default_max_tokens), "--drain-timeout", str(args.drain_timeout)]
-        + _engine_flags(args) + child_security_argv + _engine_metrics_argv(args),
+        + _engine_flags(args) + child_security_argv + _engine_metrics_argv(args)
+        + (["--enable-reflection"] if args.enable_reflection else []),
         env={**os.environ, **child_env},
     )
 
@@ -161,7 +163,7 @@ def cmd_serve(args) -> int:
                                           served_model_name=args.served_model_name, tokenizer_path=args.tokenizer,
                                           default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
                                           security=security, engine_security=engine_security,
-                                          **_metrics_options(args)))
+                                          reflection=args.enable_reflection, **_metrics_options(args)))
     finally:
         stopping.set()
         if child.poll() is None:
@@ -250,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="engine + frontend together")
+    serve.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
     _engine_args(serve)
     serve.add_argument("--host", default="0.0.0.0", help="frontend bind address")
     serve.add_argument("--port", type=int, default=50051, help="frontend port")
@@ -265,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(fn=cmd_serve)
 
     engine = sub.add_parser("engine", help="the engine service alone")
+    engine.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
     _engine_args(engine)
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=50052)
@@ -275,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(fn=cmd_engine)
 
     front = sub.add_parser("frontend", help="the frontend alone, in front of one or more engines")
+    front.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
     front.add_argument("--host", default="0.0.0.0")
     front.add_argument("--port", type=int, default=50051)
     front.add_argument("--engine", action="append", default=None, help="engine address; repeat for replicas")

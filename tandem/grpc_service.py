@@ -53,3 +53,10 @@ def add_service(server: grpc.aio.Server, servicer: object, service: ServiceDescr
             response_serializer=lambda msg: msg.SerializeToString(),
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def enable_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
+    """Serves grpc.reflection (off by default: it tells anyone what the server offers)."""
+    from grpc_reflection.v1alpha import reflection
+
+    reflection.enable_server_reflection([*service_names, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)

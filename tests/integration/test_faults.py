@@ -122,8 +122,20 @@ def test_after_bad_inputs_server_still_works_and_nothing_leaked(client):
 # -- R4 and R7: overload and graceful drain (one dedicated server) ---------------------------------------
 @pytest.fixture(scope="module")
 def small_queue_server(launch_serve):
-    server, frontend, _ = launch_serve(["--max-num-seqs", "1", "--max-waiting-requests", "2"])
+    server, frontend, _ = launch_serve(["--max-num-seqs", "1", "--max-waiting-requests", "2", "--enable-reflection"])
     return server, frontend
+
+
+def test_reflection_when_enabled(small_queue_server):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    _, frontend = small_queue_server
+    with grpc.insecure_channel(frontend) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        [resp] = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                timeout=10))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"tandem.v1.Frontend", "grpc.health.v1.Health"} <= names
 
 
 def test_flood_past_queue_bound_gets_resource_exhausted(small_queue_server):

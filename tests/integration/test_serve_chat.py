@@ -40,3 +40,17 @@ def test_model_info_and_health(client):
     assert info["max_model_len"] > 0
     health = client.utility("health")
     assert health["status"] == "SERVING"
+
+
+def test_reflection_is_off_by_default(serve):
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(serve["frontend"]) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        try:
+            list(stub.ServerReflectionInfo(iter([req]), timeout=10))
+            raise AssertionError("reflection answered although it was not enabled")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNIMPLEMENTED
