@@ -104,6 +104,10 @@ class DecodeCudaGraphs:
 
     `capture()` once at start-up; then `can_run(host)` / `run(host, staging)` per step. `run`
     returns float32 logits of the sampling rows, like `ModelRunner.execute`.
+
+    `capture_graphs=False` keeps everything but the graphs: each `run` executes the same
+    forward eagerly on the same fixed, padded buffers. That is how the padding and buffer logic
+    is tested without a GPU, and a way to tell a capture problem from a padding problem.
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class DecodeCudaGraphs:
         scratch_block: int,
         num_kv_heads: int,
         device: torch.device,
+        capture_graphs: bool = True,
     ) -> None:
         if not sizes or sizes != sorted(set(sizes)):
             raise ValueError(f"bucket sizes must be ascending and distinct, got {sizes}")
@@ -127,6 +132,7 @@ class DecodeCudaGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.scratch_block = scratch_block
         self.device = device
+        self.capture_graphs = capture_graphs
         self.num_splits = splits_per_bucket(
             self.sizes, num_kv_heads, max_blocks_per_seq, block_size, num_compute_units(device)
         )
@@ -141,7 +147,7 @@ class DecodeCudaGraphs:
             (largest, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
         )
         self._row_ids = torch.arange(largest, dtype=torch.int64, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._metadata: dict[int, AttentionMetadata] = {}
 
@@ -170,6 +176,11 @@ class DecodeCudaGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first, into one shared memory pool."""
+        if not self.capture_graphs:
+            for bucket in self.sizes:
+                self._metadata[bucket] = self._metadata_for(bucket)
+                self._graphs[bucket] = None
+            return
         start = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
@@ -217,6 +228,10 @@ class DecodeCudaGraphs:
         self.seq_lens[:bucket].copy_(lens)
         # Columns past this step's width keep stale block ids: never read, as seq_lens bound reads.
         self.block_tables[:bucket, : tables.shape[1]].copy_(tables)
-        self._graphs[bucket].replay()
+        graph = self._graphs[bucket]
+        if graph is None:
+            self._logits[bucket] = self._forward(bucket, self._metadata[bucket])
+        else:
+            graph.replay()
         # index_select copies, so the caller's logits survive the next replay.
         return self._logits[bucket].index_select(0, rows).float()

@@ -165,11 +165,13 @@ class PinnedStaging:
     `non_blocking` copy; the device tensors returned are views of that copy. A buffer is
     refilled only after the copy that last read it has finished (an event wait — in practice
     long done, since the sampler reads the previous step's tokens back before the next step is
-    built). Buffers grow to the next power of two when a step needs more.
+    built). Buffers grow to the next power of two when a step needs more. For a CPU device the
+    buffers are ordinary memory and the "copy" is a view (tests exercise the packing so).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._pinned = device.type == "cuda"
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._events: dict[torch.dtype, torch.cuda.Event] = {}
 
@@ -180,7 +182,7 @@ class PinnedStaging:
         buf = self._buffers.get(dtype)
         if buf is None or buf.numel() < numel:
             size = 1 << max(numel - 1, 1023).bit_length()
-            buf = self._buffers[dtype] = torch.empty(size, dtype=dtype, pin_memory=True)
+            buf = self._buffers[dtype] = torch.empty(size, dtype=dtype, pin_memory=self._pinned)
         return buf
 
     def to_device(self, arrays: SequenceOf[np.ndarray]) -> list[torch.Tensor]:
@@ -198,10 +200,13 @@ class PinnedStaging:
             for i in indices:
                 host[offset : offset + arrays[i].size] = arrays[i].reshape(-1)
                 offset += arrays[i].size
-            packed = buf[:total].to(self.device, non_blocking=True)
-            if dtype not in self._events:
-                self._events[dtype] = torch.cuda.Event()
-            self._events[dtype].record(torch.cuda.current_stream(self.device))
+            if self._pinned:
+                packed = buf[:total].to(self.device, non_blocking=True)
+                if dtype not in self._events:
+                    self._events[dtype] = torch.cuda.Event()
+                self._events[dtype].record(torch.cuda.current_stream(self.device))
+            else:  # a copy, not a view: the next step refills the buffer
+                packed = buf[:total].clone()
             offset = 0
             for i in indices:
                 n = arrays[i].size

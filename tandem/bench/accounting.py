@@ -1,0 +1,151 @@
+"""Bytes and FLOPs of one decode or prefill step, counted from the model's shape.
+
+These are the roofline's denominators, written down before anything is timed:
+
+- A decode step reads every weight once except the input embedding table, of which it reads
+  only the batch's rows (the LM head is read in full; with tied embeddings that is the same
+  matrix, counted once). Norm scales and biases are counted; they are tiny.
+- It reads the K and V of every context token of every sequence in every layer (the new
+  token's K/V included: it is written, then read back by attention).
+- A prefill step does `2 x matmul weights` FLOPs per token in the decoder layers, the LM head
+  only for the sampled (last) token of each sequence, and causal attention: `QK^T` and `PV`
+  over the `L(L+1)/2` visible (query, key) pairs of a length-L sequence, per head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The hyperparameters the counts depend on."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_decoder_config(cls, cfg: Any) -> ModelShape:
+        """From the engine's `DecoderConfig` (what the model code was built from)."""
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            mlp_bias=cfg.mlp_bias,
+            qk_norm=cfg.qk_norm,
+        )
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelShape:
+        """From a Hugging Face `config.json` dict, read the way the engine's model class reads it."""
+        from tandem.engine_service.models.registry import get_model_class
+
+        return cls.from_decoder_config(get_model_class(hf).config_from_hf(hf))
+
+
+# -- parameters ----------------------------------------------------------------------------------
+
+
+def layer_matmul_params(s: ModelShape) -> int:
+    """Weights of one decoder layer that take part in matmuls (q, k, v, o, gate, up, down)."""
+    q = s.hidden_size * s.num_heads * s.head_dim
+    kv = 2 * s.hidden_size * s.num_kv_heads * s.head_dim
+    o = s.num_heads * s.head_dim * s.hidden_size
+    mlp = 3 * s.hidden_size * s.intermediate_size
+    return q + kv + o + mlp
+
+
+def layer_other_params(s: ModelShape) -> int:
+    """Norm scales and biases of one decoder layer."""
+    n = 2 * s.hidden_size  # input and post-attention RMSNorm
+    if s.qk_norm:
+        n += 2 * s.head_dim
+    if s.qkv_bias:
+        n += (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    if s.o_bias:
+        n += s.hidden_size
+    if s.mlp_bias:
+        n += 2 * s.intermediate_size + s.hidden_size
+    return n
+
+
+def embedding_params(s: ModelShape) -> int:
+    return s.vocab_size * s.hidden_size
+
+
+def total_params(s: ModelShape) -> int:
+    """Every parameter once (a tied LM head is the embedding, not a second matrix)."""
+    layers = s.num_layers * (layer_matmul_params(s) + layer_other_params(s))
+    head = 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size
+    return embedding_params(s) + layers + s.hidden_size + head  # + final norm
+
+
+# -- decode --------------------------------------------------------------------------------------
+
+
+def decode_weight_bytes(s: ModelShape, batch: int, dtype_bytes: int) -> int:
+    """Weight bytes one decode step of `batch` sequences reads from memory."""
+    layers = s.num_layers * (layer_matmul_params(s) + layer_other_params(s))
+    head = s.vocab_size * s.hidden_size  # the LM head is read in full (tied or not)
+    embedding_rows = 0 if s.tie_word_embeddings else batch * s.hidden_size  # tied: inside the head
+    return (layers + s.hidden_size + head + embedding_rows) * dtype_bytes
+
+
+def kv_bytes_per_token(s: ModelShape, dtype_bytes: int) -> int:
+    """K and V of one token across all layers."""
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * dtype_bytes
+
+
+def decode_kv_bytes(s: ModelShape, batch: int, context: int, dtype_bytes: int) -> int:
+    """KV bytes one decode step reads: every sequence's `context` tokens (the new one included)."""
+    return batch * context * kv_bytes_per_token(s, dtype_bytes)
+
+
+def decode_floor_s(weight_bytes: int, kv_bytes: int, bandwidth_bytes_per_s: float) -> float:
+    """The memory-bound lower limit of the step: bytes read / measured bandwidth."""
+    if bandwidth_bytes_per_s <= 0:
+        raise ValueError("bandwidth must be > 0")
+    return (weight_bytes + kv_bytes) / bandwidth_bytes_per_s
+
+
+# -- prefill -------------------------------------------------------------------------------------
+
+
+def causal_attention_flops(s: ModelShape, seq_len: int) -> int:
+    """`QK^T` + `PV` of one length-L sequence over its causal pairs, all layers (2 FLOPs per MAC)."""
+    pairs = seq_len * (seq_len + 1) // 2
+    return s.num_layers * 2 * (2 * s.num_heads * s.head_dim * pairs)
+
+
+def prefill_flops(s: ModelShape, seq_lens: Iterable[int], num_sampled: int | None = None) -> dict[str, int]:
+    """FLOPs of one prefill step over fresh sequences of `seq_lens` tokens.
+
+    `num_sampled` sequences get LM-head logits (default: all of them, one row each).
+    """
+    lens = [int(n) for n in seq_lens]
+    tokens = sum(lens)
+    sampled = len(lens) if num_sampled is None else num_sampled
+    linear = 2 * s.num_layers * layer_matmul_params(s) * tokens
+    head = 2 * s.vocab_size * s.hidden_size * sampled
+    attention = sum(causal_attention_flops(s, n) for n in lens)
+    return {"linear": linear, "lm_head": head, "attention": attention, "total": linear + head + attention,
+            "tokens": tokens}
