@@ -31,6 +31,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-tokens", type=int, default=1 << 20, help="bound of the waiting queue (prompt tokens)")
     g.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels on CUDA, PyTorch reference on CPU (default: %(default)s)")
+    g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs for decode")
 
 
 def _engine_config(args):
@@ -38,7 +41,8 @@ def _engine_config(args):
 
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          seed=args.seed, cache_dir=args.cache_dir),
+                          seed=args.seed, cache_dir=args.cache_dir, attention_backend=args.attention_backend,
+                          enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           memory_fraction=args.kv_cache_memory_fraction,
                           cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * (1 << 30)),
@@ -55,13 +59,15 @@ def _engine_flags(args) -> list[str]:
            "--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction), "--cpu-kv-cache-gb", str(args.cpu_kv_cache_gb),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-waiting-requests", str(args.max_waiting_requests), "--max-waiting-tokens", str(args.max_waiting_tokens),
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed), "--attention-backend", args.attention_backend]
     for flag, value in (("--max-model-len", args.max_model_len), ("--num-kv-blocks", args.num_kv_blocks),
                         ("--cache-dir", args.cache_dir)):
         if value is not None:
             out += [flag, str(value)]
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
+    if args.enforce_eager:
+        out.append("--enforce-eager")
     return out
 
 

@@ -63,19 +63,26 @@ def cuda_time(
 ) -> Timing:
     """Time `fn` on `device` with CUDA events around each call.
 
-    After `warmup` calls (the first of which may compile or capture), the number of timed
-    runs is `reps`, cut down to what `budget_s` allows at the warm-up pace but never below
-    `min_reps`. Each run gets its own event pair; one synchronisation at the end.
+    After `warmup` calls (the first of which may compile or capture; fewer when they eat 30%
+    of `budget_s`), the number of timed runs is `reps`, cut down to what the rest of
+    `budget_s` allows at the warm-up pace but never below `min_reps`. Each run gets its own
+    event pair; one synchronisation at the end.
     """
     require_cuda(device, "CUDA-event timing")
     with torch.cuda.device(device):
         t0 = time.perf_counter()
-        for _ in range(max(warmup, 1)):
+        done = 0
+        while done < max(warmup, 1):
             fn()
-        torch.cuda.synchronize(device)
-        per_call = (time.perf_counter() - t0) / max(warmup, 1)
+            torch.cuda.synchronize(device)
+            done += 1
+            # A very slow callable (reference kernels, huge batches) gets fewer warm-up calls.
+            if budget_s is not None and time.perf_counter() - t0 > 0.3 * budget_s:
+                break
+        spent = time.perf_counter() - t0
+        per_call = spent / done
         if budget_s is not None and per_call > 0:
-            reps = max(min_reps, min(reps, int(budget_s / per_call)))
+            reps = max(min_reps, min(reps, int((budget_s - spent) / per_call)))
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for s, e in zip(starts, ends):
@@ -83,4 +90,4 @@ def cuda_time(
             fn()
             e.record()
         torch.cuda.synchronize(device)
-    return Timing(runs_ms=[s.elapsed_time(e) for s, e in zip(starts, ends)], warmup=max(warmup, 1))
+    return Timing(runs_ms=[s.elapsed_time(e) for s, e in zip(starts, ends)], warmup=done)
