@@ -1,4 +1,4 @@
-"""The `tandem` command: serve, engine, frontend, generate, chat."""
+"""The `tandem` command: serve, engine, frontend, generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -309,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None)
     _client_args(chat)
     chat.set_defaults(fn=cmd_chat)
+
+    from tandem.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)  # tandem bench roofline|throughput|serve|report
     return parser
 
 

@@ -50,7 +50,7 @@ def device_info(device: Any = None) -> dict[str, Any]:
     """Name and count of the accelerator torch sees (or the CPU when there is none)."""
     import torch
 
-    info: dict[str, Any] = {"cuda_available": torch.cuda.is_available()}
+    info: dict[str, Any] = {"cuda_available": torch.cuda.is_available(), "torch_threads": torch.get_num_threads()}
     use_cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
     if use_cuda:
         dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,218 @@
+"""`tandem bench roofline|throughput|serve|report`: argument parsing and the run wrapper.
+
+Each measuring subcommand writes `<out>/<kind>-<model>-<timestamp>.json` (default out:
+`bench/results/`), even when parts of it failed (they are listed under `errors`), and prints
+a short table last. Engine flags are the ones `tandem serve` takes, so whatever the engine
+gains (backends, graph options) is benchmarked with the same spelling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from tandem.bench.results import DEFAULT_RESULTS_DIR
+
+_CONFIG_SKIP = {"fn", "bench_fn", "command", "bench_command"}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for part in text.split(","):
+        try:
+            n, length = part.lower().split("x")
+            shapes.append((int(n), int(length)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected NxLEN[,NxLEN...], got {text!r}") from None
+    return shapes
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, raw = text.split("=", 1)
+    value: Any = raw
+    for cast in (int, float):
+        try:
+            value = cast(raw)
+            break
+        except ValueError:
+            continue
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    return key.strip(), value
+
+
+def _common(p: argparse.ArgumentParser, model: str, max_seconds: float) -> None:
+    from tandem import cli as tandem_cli
+
+    tandem_cli._engine_args(p)
+    g = p.add_argument_group("benchmark output")
+    g.add_argument("--out", default=DEFAULT_RESULTS_DIR, help="folder for the result JSON (default: %(default)s)")
+    g.add_argument("--max-seconds", type=float, default=max_seconds,
+                   help="wall-clock budget of the whole run; what does not fit is recorded as skipped "
+                        "(default: %(default)s)")
+    # Benchmark defaults: a real configuration with dummy weights, room for 256 sequences.
+    p.set_defaults(model=os.environ.get("TANDEM_BENCH_MODEL", model), max_num_seqs=256, max_num_batched_tokens=8192)
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Adds `bench` and its subcommands to the `tandem` command's subparsers."""
+    bench = sub.add_parser("bench", help="benchmarks: roofline, throughput, serve; report writes docs/benchmarks.md")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    roof = bsub.add_parser("roofline", help="decode step time vs. the HBM floor, prefill MFU (GPU only)")
+    _common(roof, "dummy:qwen3-8b", 240.0)
+    g = roof.add_argument_group("roofline")
+    g.add_argument("--batches", type=_ints, default=[1, 16, 64, 128, 256])
+    g.add_argument("--contexts", type=_ints, default=[1024, 8192], help="context lengths (tokens incl. the new one)")
+    g.add_argument("--prefill-shapes", type=_shapes, default=[(8, 1024), (1, 8192)], help="NxLEN,... (default 8x1024,1x8192)")
+    g.add_argument("--point-seconds", type=float, default=6.0, help="timing budget per point")
+    g.add_argument("--reps", type=int, default=30, help="most timed runs per point")
+    g.add_argument("--copy-gib", type=float, default=2.0, help="buffer size of the bandwidth copy")
+    g.add_argument("--headroom-gib", type=float, default=16.0, help="device memory kept free beside weights + KV")
+    g.add_argument("--kv-aliasing", action="store_true",
+                   help="run points whose KV does not fit by sharing blocks between sequences (flagged)")
+    roof.set_defaults(fn=cmd_bench, bench_fn=_roofline)
+
+    thr = bsub.add_parser("throughput", help="offline throughput of the in-process engine vs. HF continuous batching")
+    _common(thr, "dummy:qwen3-0.6b", 600.0)
+    g = thr.add_argument_group("throughput")
+    _workload_args(g)
+    g.add_argument("--num-prompts", type=int, default=None, help="requests (default: the workload's standard count)")
+    g.add_argument("--no-peer", action="store_true", help="skip the Hugging Face peer")
+    g.add_argument("--peer-num-prompts", type=int, default=None,
+                   help="run the peer (and the engine again) on the first N requests only")
+    g.add_argument("--peer-cb", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="a ContinuousBatchingConfig field for the peer (repeatable)")
+    g.add_argument("--warmup-requests", type=int, default=8)
+    thr.set_defaults(fn=cmd_bench, bench_fn=_throughput)
+
+    srv = bsub.add_parser("serve", help="TTFT/TPOT/ITL through frontend + engine over gRPC vs. in-process")
+    _common(srv, "dummy:qwen3-0.6b", 600.0)
+    g = srv.add_argument_group("serve")
+    _workload_args(g)
+    g.add_argument("--concurrency", type=_ints, default=[1, 16, 64, 256], help="levels, comma-separated")
+    g.add_argument("--requests-per-level", type=int, default=None, help="default: max(2 x concurrency, 16)")
+    g.add_argument("--level-seconds", type=float, default=60.0, help="time limit of each level (each side)")
+    g.add_argument("--startup-timeout", type=float, default=600.0)
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory for the frontend (default: the model's, or a word-level stand-in)")
+    g.add_argument("--no-in-process", action="store_true", help="skip the in-process comparison")
+    g.add_argument("--warmup-requests", type=int, default=8)
+    srv.set_defaults(fn=cmd_bench, bench_fn=_serve)
+
+    rep = bsub.add_parser("report", help="write docs/benchmarks.md and its plot from bench/results/*.json")
+    rep.add_argument("--results-dir", default=DEFAULT_RESULTS_DIR)
+    rep.add_argument("--markdown", default="docs/benchmarks.md")
+    rep.add_argument("--plot", default="docs/benchmarks_decode.png")
+    rep.set_defaults(fn=cmd_report)
+
+
+def _workload_args(g: Any) -> None:
+    from tandem.bench.workloads import workload_names
+
+    g.add_argument("--workload", default="nanovllm", choices=workload_names())
+    g.add_argument("--scale", type=float, default=1.0, help="multiply every input/output length (quick runs)")
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in _CONFIG_SKIP}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run one measuring subcommand, write its JSON, print its short table last."""
+    from tandem import cli as tandem_cli
+    from tandem.bench.results import Deadline, new_record, write_record
+    from tandem.bench.timing import GPURequiredError
+    from tandem.engine_service.model_runner import resolve_device
+
+    kind = args.bench_command
+    # Benchmarks use dummy weights and local files only: a Hugging Face Hub lookup (transformers
+    # probing for downloadable attention kernels) must fail at once, not wait on a network.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    device = resolve_device(args.device)
+    try:
+        if kind == "roofline":
+            from tandem.bench.timing import require_cuda
+
+            require_cuda(device, "tandem bench roofline")
+    except GPURequiredError as exc:
+        sys.stderr.write(f"tandem bench: {exc}\n")
+        return 2
+    record = new_record(kind, args.model, _config(args), device=device)
+    deadline = Deadline(args.max_seconds)
+    table: Callable[[dict[str, Any]], list[str]] | None = None
+    try:
+        table = args.bench_fn(record, tandem_cli, args, deadline)
+    except KeyboardInterrupt as exc:
+        record.add_error("interrupted", exc)
+    except Exception as exc:  # noqa: BLE001 - recorded; the JSON is still written
+        record.add_error(kind, exc)
+    path = write_record(record, args.out)
+    print(f"tandem bench {kind}: {args.model} on {record.env.get('device')} (commit {record.env.get('git_commit')})")
+    print(f"result: {path}")
+    for err in record.errors:
+        print(f"error in {err['stage']}: {err['error']}")
+    if table is not None:
+        for line in table(record.results):
+            print(line)
+    return 0 if not record.errors else 1
+
+
+def _roofline(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import roofline
+
+    options = roofline.RooflineOptions(
+        batches=args.batches, contexts=args.contexts, prefill_shapes=args.prefill_shapes,
+        copy_bytes=int(args.copy_gib * (1 << 30)), point_seconds=args.point_seconds, reps=args.reps,
+        headroom_gib=args.headroom_gib, kv_aliasing=args.kv_aliasing)
+    roofline.run_roofline(record, tandem_cli._engine_config(args), options, deadline)
+    return roofline.short_table
+
+
+def _throughput(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import throughput
+
+    options = throughput.ThroughputOptions(
+        workload=args.workload, num_prompts=args.num_prompts, scale=args.scale, peer=not args.no_peer,
+        peer_num_prompts=args.peer_num_prompts, warmup_requests=args.warmup_requests,
+        peer_cb_config=dict(args.peer_cb) or None)
+    throughput.run_throughput(record, tandem_cli._engine_config(args), options, deadline)
+    return throughput.short_table
+
+
+def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import serve
+
+    options = serve.ServeOptions(
+        workload=args.workload, scale=args.scale, concurrencies=args.concurrency,
+        requests_per_level=args.requests_per_level, level_seconds=args.level_seconds,
+        startup_timeout=args.startup_timeout, tokenizer=args.tokenizer, in_process=not args.no_in_process,
+        warmup_requests=args.warmup_requests)
+    serve.run_serve(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
+    return serve.short_table
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from tandem.bench.report import build_report
+
+    out = build_report(args.results_dir, args.markdown, args.plot)
+    print(f"wrote {out['markdown']} from {out['results']} result(s)" + (f" and {out['plot']}" if out["plot"] else ""))
+    return 0

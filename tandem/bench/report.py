@@ -1,0 +1,336 @@
+"""`tandem bench report`: docs/benchmarks.md (+ a decode plot) from every JSON in bench/results/.
+
+The tables show the latest result per (kind, model, device); a history lists every file. Each
+row carries the device, library versions, git commit, workload and the ratio to its anchor:
+
+| table | anchor | ratio |
+|---|---|---|
+| decode step | floor = (weight + KV bytes) / measured HBM bandwidth | floor / measured |
+| prefill | measured bf16 matmul rate | MFU |
+| offline throughput | HF continuous batching, same weights and requests | ours / peer (output tok/s) |
+| serving | in-process engine, same requests and concurrency | served / in-process (output tok/s) |
+
+Nothing is ever filled in by hand: a table without results says "not measured yet".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from tandem.bench.results import DEFAULT_RESULTS_DIR, read_records
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MARKDOWN = "docs/benchmarks.md"
+DEFAULT_PLOT = "docs/benchmarks_decode.png"
+NOT_MEASURED = "_not measured yet_"
+
+Record = tuple[Path, dict[str, Any]]
+
+
+# -- cell formatting -----------------------------------------------------------------------------
+
+
+def _num(v: Any, spec: str = ".1f", suffix: str = "") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    return f"{format(v, spec)}{suffix}"
+
+
+def _pct(v: Any) -> str:
+    return _num(None if v is None else 100.0 * v, ".1f", "%")
+
+
+def _triple(d: dict[str, Any] | None, spec: str = ".1f") -> str:
+    d = d or {}
+    return " / ".join(_num(d.get(k), spec) for k in ("p50", "p90", "p99"))
+
+
+def commit_cell(env: dict[str, Any]) -> str:
+    c = str(env.get("git_commit") or "unknown")
+    short = c[:10] if c != "unknown" else c
+    return f"`{short}`{'+dirty' if env.get('git_dirty') else ''}"
+
+
+def versions_cell(env: dict[str, Any]) -> str:
+    parts = [f"torch {env.get('torch') or '?'}"]
+    if env.get("triton"):
+        parts.append(f"triton {env['triton']}")
+    parts.append(f"transformers {env.get('transformers') or '?'}")
+    parts.append(f"py {env.get('python') or '?'}")
+    return ", ".join(parts)
+
+
+def device_cell(env: dict[str, Any]) -> str:
+    return str(env.get("device") or "?")
+
+
+def model_cell(data: dict[str, Any]) -> str:
+    return f"`{data.get('model', '?')}`"
+
+
+def _status_cell(point: dict[str, Any]) -> str:
+    """`skipped (KV does not fit)` / `error (OutOfMemoryError)`: the status and the reason's head."""
+    why = point.get("reason") or point.get("error") or ""
+    head = why.split(":")[0].split(" (")[0][:48]
+    return f"{point.get('status', '?')} ({head})" if head else str(point.get("status", "?"))
+
+
+def _row(cells: Iterable[Any]) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    if not rows:
+        return [NOT_MEASURED, ""]
+    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows), ""]
+
+
+def latest_per_key(records: list[Record], kind: str) -> list[Record]:
+    """The newest record of `kind` for each (model, device); records are oldest first."""
+    latest: dict[tuple[str, str], Record] = {}
+    for path, data in records:
+        if data.get("kind") == kind:
+            latest[(data.get("model", ""), device_cell(data.get("env", {})))] = (path, data)
+    return sorted(latest.values(), key=lambda r: (r[1].get("model", ""), device_cell(r[1].get("env", {}))))
+
+
+# -- tables --------------------------------------------------------------------------------------
+
+
+def decode_rows(records: list[Record]) -> list[list[Any]]:
+    rows = []
+    for path, data in latest_per_key(records, "roofline"):
+        env, res = data.get("env", {}), data.get("results", {})
+        bw = (res.get("bandwidth") or {}).get("bytes_per_s")
+        runner = res.get("runner") or {}
+        backend = runner.get("attention_backend") or "?"
+        for p in res.get("decode", []):
+            status = p.get("status", "?")
+            ratio = _num(p.get("floor_pct"), ".1f", "%") if status == "ok" else _status_cell(p)
+            if p.get("kv_aliased"):
+                ratio += " (kv aliased)"
+            rows.append([
+                model_cell(data), device_cell(env), "decode-sweep", p.get("batch"), p.get("context"),
+                _num(p.get("median_ms"), ".3f"), _num(p.get("floor_ms"), ".3f"), ratio,
+                _num(p.get("replay_only_ms"), ".3f"), _num(p.get("floor_pct_replay_only"), ".1f", "%"),
+                _num(None if bw is None else bw / 1e12, ".2f"),
+                f"{p['path']}, {backend}" if p.get("path") else "–",
+                commit_cell(env), versions_cell(env),
+                f"`{path.name}`",
+            ])
+    return rows
+
+
+def prefill_rows(records: list[Record]) -> list[list[Any]]:
+    rows = []
+    for path, data in latest_per_key(records, "roofline"):
+        env, res = data.get("env", {}), data.get("results", {})
+        mm = (res.get("matmul") or {}).get("flops_per_s")
+        for p in res.get("prefill", []):
+            status = p.get("status", "?")
+            rows.append([
+                model_cell(data), device_cell(env), f"prefill {p.get('shape')}", p.get("tokens"),
+                _num(p.get("median_ms"), ".2f"), _num(None if p.get("flops_per_s") is None else p["flops_per_s"] / 1e12),
+                _num(None if mm is None else mm / 1e12, ".0f"), _pct(p.get("mfu")) if status == "ok" else _status_cell(p),
+                commit_cell(env), versions_cell(env), f"`{path.name}`",
+            ])
+    return rows
+
+
+def throughput_rows(records: list[Record]) -> list[list[Any]]:
+    rows = []
+    for path, data in latest_per_key(records, "throughput"):
+        env, res = data.get("env", {}), data.get("results", {})
+        ours, peer, ratio = res.get("ours") or {}, res.get("peer") or {}, res.get("ratio") or {}
+        w = res.get("workload") or {}
+        notes = []
+        if not w.get("standard", True):
+            notes.append(f"non-standard: {w.get('num_requests')} prompts, scale {w.get('scale')}")
+        if ratio.get("on") == "peer subset":
+            notes.append(f"ratio on the first {ratio.get('num_requests')} requests (peer subset)")
+        if ours.get("timed_out") or peer.get("timed_out"):
+            notes.append("partial: timed out")
+        if "output_tokens_per_s" not in peer:
+            notes.append("peer: " + (peer.get("status") or "failed (see errors)"))
+        attn = peer.get("attn_implementation")
+        if attn:
+            notes.append(f"peer attn {attn}")
+        rows.append([
+            model_cell(data), device_cell(env), f"{w.get('name', '?')} ({w.get('num_requests', '?')} req)",
+            _num(ours.get("output_tokens_per_s")), _num(ours.get("total_tokens_per_s")),
+            _num(peer.get("output_tokens_per_s")), _num(peer.get("total_tokens_per_s")),
+            _num(ratio.get("output_tokens_per_s"), ".2f", "×"), "; ".join(notes) or "–",
+            commit_cell(env), versions_cell(env), f"`{path.name}`",
+        ])
+    return rows
+
+
+def serve_rows(records: list[Record]) -> tuple[list[list[Any]], list[str]]:
+    rows, notes = [], []
+    for path, data in latest_per_key(records, "serve"):
+        env, res = data.get("env", {}), data.get("results", {})
+        w = res.get("workload") or {}
+        for level in res.get("levels", []):
+            s, p = level.get("served") or {}, level.get("in_process") or {}
+            done = f"{s.get('completed', 0)}/{level.get('num_requests', '?')}"
+            if s.get("timed_out"):
+                done += " (timed out)"
+            rows.append([
+                model_cell(data), device_cell(env), w.get("name", "?"), level.get("concurrency"), done,
+                _triple(s.get("ttft_ms")), _triple(s.get("tpot_ms"), ".2f"), _triple(s.get("itl_ms"), ".2f"),
+                _num(s.get("output_tokens_per_s")), _num(p.get("output_tokens_per_s")),
+                _num(level.get("ratio_output_tokens_per_s"), ".2f", "×"),
+                commit_cell(env), versions_cell(env), f"`{path.name}`",
+            ])
+        if res.get("grpc_ttft_overhead_ms_c1") is not None:
+            notes.append(f"- {model_cell(data)} on {device_cell(env)}: frontend + gRPC TTFT overhead at "
+                         f"concurrency 1 = {res['grpc_ttft_overhead_ms_c1']:.2f} ms (served p50 − in-process p50)")
+    return rows, notes
+
+
+def _headline(data: dict[str, Any]) -> str:
+    res = data.get("results", {})
+    kind = data.get("kind")
+    if kind == "roofline":
+        ok = [p for p in res.get("decode", []) if p.get("status") == "ok"]
+        return f"{len(ok)} decode points" if ok else "no decode point"
+    if kind == "throughput":
+        r = res.get("ratio", {}).get("output_tokens_per_s")
+        return f"{_num(res.get('ours', {}).get('output_tokens_per_s'))} out tok/s, ratio {_num(r, '.2f', '×')}"
+    levels = [lv for lv in res.get("levels", []) if lv.get("served", {}).get("output_tokens_per_s")]
+    return f"{len(levels)} levels"
+
+
+def history_rows(records: list[Record]) -> list[list[Any]]:
+    return [[f"`{path.name}`", data.get("kind"), model_cell(data), device_cell(data.get("env", {})),
+             commit_cell(data.get("env", {})), data.get("env", {}).get("timestamp", "?"),
+             "yes" if data.get("complete") else f"no ({len(data.get('errors', []))} errors)", _headline(data)]
+            for path, data in reversed(records)]
+
+
+# -- plot ----------------------------------------------------------------------------------------
+
+
+def write_decode_plot(records: list[Record], out: Path) -> bool:
+    """Measured decode step time and its floor against batch size, one panel per model/device."""
+    series = [(p, d) for p, d in latest_per_key(records, "roofline")
+              if any(pt.get("status") == "ok" for pt in d.get("results", {}).get("decode", []))]
+    if not series:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.2), squeeze=False)
+    for ax, (_, data) in zip(axes[0], series):
+        points = data["results"]["decode"]
+        for ctx in sorted({pt["context"] for pt in points}):
+            ok = sorted((pt for pt in points if pt["context"] == ctx and pt.get("status") == "ok"),
+                        key=lambda pt: pt["batch"])
+            if not ok:
+                continue
+            line = ax.plot([pt["batch"] for pt in ok], [pt["median_ms"] for pt in ok], marker="o",
+                           label=f"measured, ctx {ctx}")[0]
+            floor = [pt for pt in ok if pt.get("floor_ms") is not None]
+            if floor:
+                ax.plot([pt["batch"] for pt in floor], [pt["floor_ms"] for pt in floor], linestyle="--",
+                        color=line.get_color(), label=f"floor, ctx {ctx}")
+        env = data.get("env", {})
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (sequences)")
+        ax.set_ylabel("decode step (ms)")
+        ax.set_title(f"{data.get('model')} on {env.get('device')}\ncommit {str(env.get('git_commit'))[:10]}",
+                     fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- the document --------------------------------------------------------------------------------
+
+
+def render_markdown(records: list[Record], plot_name: str | None) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `tandem bench report` from the JSON files in `bench/results/` "
+        "(one file per run: `tandem bench roofline|throughput|serve`); do not edit by hand. "
+        "Models use dummy (random) weights in the real configurations. Each table shows the "
+        "latest result per model and device; every run is listed under History.",
+        "",
+        "Anchors: the decode floor is (weight bytes + KV bytes read) ÷ the HBM bandwidth measured "
+        "in the same run (device-to-device copy, bytes read + written); prefill MFU divides the "
+        "step's FLOPs (2 × matmul weights × tokens, the LM head for sampled rows, causal "
+        "attention) by the bf16 8192³ matmul rate measured in the same run; offline throughput "
+        "is compared with Hugging Face continuous batching (`generate_batch`'s manager, per-request "
+        "output lengths, EOS ignored) on the same weights and requests; serving is compared with "
+        "the in-process engine on the same requests at the same concurrency.",
+        "",
+        "Reproduce on a GPU machine (each run writes one JSON into `bench/results/`; commit it, then "
+        "regenerate this page):",
+        "",
+        "```",
+        "tandem bench roofline   --model dummy:qwen3-8b      # decode sweep 1..256 x 1k/8k, prefill 8x1024 and 1x8192",
+        "tandem bench throughput --model dummy:qwen3-0.6b --workload nanovllm",
+        "tandem bench serve      --model dummy:qwen3-0.6b --concurrency 1,16,64,256",
+        "tandem bench report",
+        "```",
+        "",
+        "## Decode step vs. roofline floor",
+        "",
+    ]
+    lines += _table(["model", "device", "workload", "batch", "context", "step ms (median)", "floor ms",
+                     "floor ÷ measured", "graph replay ms", "floor ÷ replay", "HBM TB/s", "path", "commit",
+                     "versions", "result"], decode_rows(records))
+    if plot_name:
+        lines += [f"![Decode step time and its floor against batch size]({plot_name})", ""]
+    lines += ["## Prefill MFU", ""]
+    lines += _table(["model", "device", "workload", "tokens", "ms (median)", "TFLOP/s", "matmul TFLOP/s", "MFU",
+                     "commit", "versions", "result"], prefill_rows(records))
+    lines += ["## Offline throughput vs. Hugging Face", ""]
+    lines += _table(["model", "device", "workload", "ours out tok/s", "ours total tok/s", "peer out tok/s",
+                     "peer total tok/s", "ours ÷ peer", "notes", "commit", "versions", "result"],
+                    throughput_rows(records))
+    rows, notes = serve_rows(records)
+    lines += ["## Serving over gRPC (frontend + engine)", ""]
+    lines += _table(["model", "device", "workload", "concurrency", "completed", "TTFT ms p50 / p90 / p99",
+                     "TPOT ms p50 / p90 / p99", "ITL ms p50 / p90 / p99", "out tok/s", "in-process out tok/s",
+                     "served ÷ in-process", "commit", "versions", "result"], rows)
+    if notes:
+        lines += [*notes, ""]
+    lines += ["## History", ""]
+    lines += _table(["result", "kind", "model", "device", "commit", "timestamp (UTC)", "complete", "headline"],
+                    history_rows(records))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def build_report(results_dir: str | Path = DEFAULT_RESULTS_DIR, markdown: str | Path = DEFAULT_MARKDOWN,
+                 plot: str | Path = DEFAULT_PLOT) -> dict[str, Any]:
+    """Write the markdown (and the plot when there are decode results); what was written."""
+    records = read_records(results_dir) if Path(results_dir).is_dir() else []
+    md_path, plot_path = Path(markdown), Path(plot)
+    has_plot = write_decode_plot(records, plot_path)
+    if not has_plot and plot_path.exists():
+        plot_path.unlink()  # a plot of results that are gone would be a stale claim
+    plot_ref = None
+    if has_plot:
+        try:
+            plot_ref = str(plot_path.resolve().relative_to(md_path.resolve().parent))
+        except ValueError:
+            plot_ref = str(plot_path.resolve())
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(render_markdown(records, plot_ref))
+    log.info("benchmark report written", markdown=str(md_path), plot=str(plot_path) if has_plot else None,
+             results=len(records))
+    return {"markdown": str(md_path), "plot": str(plot_path) if has_plot else None, "results": len(records)}

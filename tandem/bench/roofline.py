@@ -1,0 +1,426 @@
+"""`tandem bench roofline`: decode step time and prefill MFU against ceilings measured in the same run.
+
+1. Ceilings: HBM bandwidth (a large device-to-device copy, bytes read + written) and the bf16
+   matmul rate (8192^3 on random data), medians of CUDA-event-timed runs.
+2. The engine's own `ModelRunner` (dummy weights, the KV pool sized to what the sweep needs)
+   runs fake batches built directly on the paged cache: every sequence gets a consecutive
+   range of block ids covering its context, so no scheduler or block manager is involved.
+3. Decode: one new token per sequence at each (batch, context) point, timed through
+   `ModelRunner.execute` (host metadata + forward + logits; CUDA-graph replay when the runner
+   does it). Floor = (weight bytes + KV bytes) / measured bandwidth (`accounting.py`).
+4. Prefill: one batch of fresh sequences (e.g. 8 x 1024 = 8k tokens); MFU = FLOPs / time /
+   measured matmul rate.
+
+A point whose KV does not fit the pool is recorded as skipped (or, with `kv_aliasing`, run
+with sequences sharing blocks and flagged: the floor then counts bytes that caches may serve).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from tandem.bench.accounting import (
+    ModelShape,
+    decode_floor_s,
+    decode_kv_bytes,
+    decode_weight_bytes,
+    kv_bytes_per_token,
+    prefill_flops,
+    total_params,
+)
+from tandem.bench.results import BenchRecord, Deadline
+from tandem.bench.timing import cuda_time, require_cuda
+
+log = structlog.get_logger(__name__)
+
+GIB = 1 << 30
+
+
+@dataclass
+class RooflineOptions:
+    """What to sweep and how long each measurement may take."""
+
+    batches: list[int] = field(default_factory=lambda: [1, 16, 64, 128, 256])
+    contexts: list[int] = field(default_factory=lambda: [1024, 8192])
+    prefill_shapes: list[tuple[int, int]] = field(default_factory=lambda: [(8, 1024), (1, 8192)])
+    copy_bytes: int = 2 * GIB  # per buffer; bytes moved per copy = 2x
+    matmul_n: int = 8192
+    point_seconds: float = 6.0  # timing budget of one decode/prefill point (warm-up included)
+    ceiling_seconds: float = 8.0  # timing budget of each ceiling measurement
+    reps: int = 30
+    headroom_gib: float = 16.0  # device memory left free beside weights + KV (activations, graphs)
+    kv_aliasing: bool = False
+    seed: int = 0
+
+
+# -- ceilings ------------------------------------------------------------------------------------
+
+
+def measure_hbm_bandwidth(device: torch.device | str | None, nbytes: int = 2 * GIB, reps: int = 30,
+                          budget_s: float = 8.0) -> dict[str, Any]:
+    """Device-to-device copy of `nbytes` (clamped to a quarter of free memory each way):
+    bandwidth = (bytes read + bytes written) / median time."""
+    dev = require_cuda(device, "HBM bandwidth measurement")
+    free, _ = torch.cuda.mem_get_info(dev)
+    nbytes = int(min(nbytes, free // 4)) // 4096 * 4096
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).normal_()
+    dst = torch.empty_like(src)
+    try:
+        t = cuda_time(lambda: dst.copy_(src), dev, warmup=3, reps=reps, budget_s=budget_s)
+    finally:
+        del src, dst
+        torch.cuda.empty_cache()
+    moved = 2 * nbytes
+    median_s = t.median_ms / 1e3
+    return {
+        "method": "device-to-device copy_ of a float32 buffer; bytes read + written",
+        "buffer_bytes": nbytes,
+        "bytes_moved": moved,
+        "bytes_per_s": moved / median_s,
+        "best_bytes_per_s": moved / (min(t.runs_ms) / 1e3),
+        **t.as_dict(),
+    }
+
+
+def measure_matmul_rate(device: torch.device | str | None, n: int = 8192, dtype: torch.dtype = torch.bfloat16,
+                        reps: int = 30, budget_s: float = 8.0) -> dict[str, Any]:
+    """`n x n @ n x n` in `dtype` on random data: FLOP/s = 2 n^3 / median time."""
+    dev = require_cuda(device, "matmul rate measurement")
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+    a = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
+    c = torch.empty(n, n, device=dev, dtype=dtype)
+    try:
+        t = cuda_time(lambda: torch.matmul(a, b, out=c), dev, warmup=5, reps=reps, budget_s=budget_s)
+    finally:
+        del a, b, c
+        torch.cuda.empty_cache()
+    flops = 2 * n**3
+    return {
+        "method": f"torch.matmul {n}x{n}x{n} {str(dtype).removeprefix('torch.')} random normal",
+        "n": n,
+        "flops": flops,
+        "flops_per_s": flops / (t.median_ms / 1e3),
+        "best_flops_per_s": flops / (min(t.runs_ms) / 1e3),
+        **t.as_dict(),
+    }
+
+
+# -- fake batches on the paged cache ---------------------------------------------------------------
+
+
+def _scheduled(seq: Any, num_new_tokens: int) -> Any:
+    try:
+        from tandem.engine_service.scheduler import ScheduledSeq
+
+        return ScheduledSeq(seq, num_new_tokens, True)
+    except ImportError:  # the runner reads the entries duck-typed (input_batch.ScheduledLike)
+        from types import SimpleNamespace
+
+        return SimpleNamespace(seq=seq, num_new_tokens=num_new_tokens, sample=True)
+
+
+def fake_batch(num_seqs: int, context: int, num_new_tokens: int, block_size: int, num_blocks: int,
+               vocab_size: int, rng: np.random.Generator, alias: bool = False) -> tuple[list[Any], bool]:
+    """`num_seqs` running sequences of `context` tokens whose last `num_new_tokens` are to be run.
+
+    Sequence i owns blocks `[i*n, (i+1)*n)` with n = ceil(context / block_size). Returns the
+    batch and whether blocks had to be shared (only with `alias`; otherwise a pool too small
+    raises `ValueError`).
+    """
+    from tandem.engine_service.sequence import SamplingParams, Sequence, SequenceStatus
+
+    per_seq = -(-context // block_size)
+    if per_seq > num_blocks:
+        raise ValueError(f"one sequence of {context} tokens needs {per_seq} blocks; the pool has {num_blocks}")
+    aliased = num_seqs * per_seq > num_blocks
+    if aliased and not alias:
+        raise ValueError(f"{num_seqs} x {context} tokens need {num_seqs * per_seq} blocks; the pool has {num_blocks}")
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    batch = []
+    for i in range(num_seqs):
+        seq = Sequence(f"roofline-{i}", rng.integers(0, vocab_size, size=context).tolist(), params)
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = context - num_new_tokens
+        first = (i * per_seq) % num_blocks if aliased else i * per_seq
+        if first + per_seq > num_blocks:
+            first = 0
+        seq.block_table = list(range(first, first + per_seq))
+        batch.append(_scheduled(seq, num_new_tokens))
+    return batch, aliased
+
+
+# -- the runner ----------------------------------------------------------------------------------
+
+
+def describe_runner(runner: Any) -> dict[str, Any]:
+    """What `ModelRunner.execute` runs: attention backend and the captured CUDA graphs, if any."""
+    backend = getattr(runner, "attention_backend", None)
+    if backend is None:
+        for module in runner.model.modules():
+            b = getattr(module, "backend", None)
+            if b is not None:
+                backend = getattr(b, "name", type(b).__name__)
+                break
+    graphs = getattr(runner, "cuda_graphs", None)
+    return {
+        "timed": "ModelRunner.execute(batch): host inputs + (graph replay | eager forward) + float32 logits; "
+                 "no sampling",
+        "runner_class": f"{type(runner).__module__}.{type(runner).__qualname__}",
+        "model_class": type(runner.model).__name__,
+        "attention_backend": backend,
+        "cuda_graph_sizes": list(getattr(graphs, "captured_sizes", [])) if graphs is not None else None,
+        "block_size": runner.block_size,
+        "num_blocks": runner.num_blocks,
+        "max_model_len": getattr(runner, "max_model_len", None),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+    }
+
+
+def decode_path(runner: Any, items: list[Any]) -> str:
+    """`cuda graph replay` when the runner will replay a graph for this batch, else `eager`."""
+    graphs = getattr(runner, "cuda_graphs", None)
+    if graphs is None:
+        return "eager"
+    try:
+        from tandem.engine_service.input_batch import prepare_host_inputs
+
+        return "cuda graph replay" if graphs.can_run(prepare_host_inputs(items, runner.block_size)) else "eager"
+    except Exception:  # noqa: BLE001 - informative only
+        return "unknown"
+
+
+def replay_only(runner: Any, items: list[Any]) -> Callable[[], None] | None:
+    """The bare `graph.replay` of this batch's bucket (buffers filled by one `execute` first):
+    the step's GPU time without host input preparation. None without a captured graph."""
+    graphs = getattr(runner, "cuda_graphs", None)
+    if graphs is None:
+        return None
+    try:
+        from tandem.engine_service.cuda_graphs import bucket_for
+
+        bucket = bucket_for(len(items), list(graphs.captured_sizes))
+        graph = getattr(graphs, "_graphs", {}).get(bucket)
+    except Exception:  # noqa: BLE001 - the figure is optional
+        return None
+    if graph is None:
+        return None
+    runner.execute(items)
+    return graph.replay
+
+
+def module_param_count(model: torch.nn.Module) -> int:
+    """Parameters of the built module, tied ones once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def plan_num_blocks(shape: ModelShape, dtype_bytes: int, block_size: int, options: RooflineOptions,
+                    free_bytes: int, max_model_len: int) -> dict[str, int]:
+    """KV blocks to allocate: enough for the largest point, at most what memory allows."""
+    per_block = kv_bytes_per_token(shape, dtype_bytes) * block_size
+    contexts = [c for c in options.contexts if c <= max_model_len]
+    need = max([b * -(-c // block_size) for b in options.batches for c in contexts]
+               + [n * -(-L // block_size) for n, L in options.prefill_shapes] + [2])
+    weights = total_params(shape) * dtype_bytes
+    budget = free_bytes - weights - int(options.headroom_gib * GIB)
+    fit = max(budget // per_block, 0)
+    return {"needed_blocks": need, "fit_blocks": int(fit), "num_blocks": int(max(min(need, fit), 2)),
+            "bytes_per_block": per_block}
+
+
+# -- the sweep -----------------------------------------------------------------------------------
+
+
+def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptions, deadline: Deadline) -> None:
+    """Fill `record.results` with ceilings, decode points and prefill points (errors recorded)."""
+    from tandem.engine_service.loader import resolve_model
+    from tandem.engine_service.model_runner import ModelRunner, resolve_device
+
+    device = require_cuda(resolve_device(engine_config.model.device), "tandem bench roofline")
+    res = record.results
+    res["options"] = {k: v for k, v in vars(options).items()}
+
+    with record.stage("bandwidth"):
+        res["bandwidth"] = measure_hbm_bandwidth(device, options.copy_bytes, options.reps, options.ceiling_seconds)
+    with record.stage("matmul"):
+        res["matmul"] = measure_matmul_rate(device, options.matmul_n, torch.bfloat16, options.reps,
+                                            options.ceiling_seconds)
+    bandwidth = res.get("bandwidth", {}).get("bytes_per_s")
+    matmul_rate = res.get("matmul", {}).get("flops_per_s")
+
+    resolved = resolve_model(engine_config.model.model, engine_config.model.cache_dir)
+    shape = ModelShape.from_hf_config(resolved.config)
+    dtype_name = engine_config.model.dtype
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(dtype_name, torch.bfloat16)
+    dtype_bytes = _dtype_bytes(dtype)
+    max_len = engine_config.model.max_model_len or resolved.config.get("max_position_embeddings", 1 << 30)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    plan = plan_num_blocks(shape, dtype_bytes, engine_config.cache.block_size, options, free, max_len)
+    res["kv_plan"] = {**plan, "free_bytes_before_model": free, "device_total_bytes": total}
+    if engine_config.cache.num_blocks is None:  # --num-kv-blocks, when given, wins
+        engine_config.cache.num_blocks = plan["num_blocks"]
+    res["kv_plan"]["allocated_blocks"] = engine_config.cache.num_blocks
+    engine_config.scheduler.max_num_seqs = max(engine_config.scheduler.max_num_seqs, max(options.batches))
+    engine_config.scheduler.max_num_batched_tokens = max(
+        engine_config.scheduler.max_num_batched_tokens, max(n * L for n, L in options.prefill_shapes))
+
+    runner = None
+    with record.stage("build_runner", reraise=False):
+        t0 = time.monotonic()
+        runner = ModelRunner(engine_config)
+        res["runner"] = describe_runner(runner)
+        res["runner"]["build_s"] = round(time.monotonic() - t0, 2)
+        built = module_param_count(runner.model)
+        res["accounting"] = {
+            "shape": vars(shape),
+            "dtype_bytes": dtype_bytes,
+            "params_from_config": total_params(shape),
+            "params_in_module": built,
+            "kv_bytes_per_token": kv_bytes_per_token(shape, dtype_bytes),
+            "decode_weight_bytes_batch1": decode_weight_bytes(shape, 1, dtype_bytes),
+        }
+        if built != total_params(shape):
+            log.warning("parameter count differs from the config's", module=built, config=total_params(shape))
+    if runner is None:
+        return
+    dtype_bytes = _dtype_bytes(runner.dtype)
+    rng = np.random.default_rng(options.seed)
+
+    # Time for the prefill points is set aside, so a slow decode sweep cannot starve them.
+    reserve = len(options.prefill_shapes) * options.point_seconds
+    decode_deadline = Deadline(max(deadline.remaining() - reserve, 0.0)) if math.isfinite(deadline.end) else deadline
+    res["decode"] = []
+    for context in options.contexts:
+        for batch in options.batches:
+            res["decode"].append(_decode_point(runner, shape, dtype_bytes, batch, context, bandwidth, options,
+                                               decode_deadline, rng, max_len, record))
+    res["prefill"] = []
+    for num_seqs, seq_len in options.prefill_shapes:
+        res["prefill"].append(_prefill_point(runner, shape, num_seqs, seq_len, matmul_rate, options, deadline, rng,
+                                             max_len, record))
+    if any(p.get("status") == "skipped" and p.get("reason", "").startswith("time") for p in
+           res["decode"] + res["prefill"]):
+        record.incomplete = True
+
+
+def _point_base(**kw: Any) -> dict[str, Any]:
+    return {"status": "ok", **kw}
+
+
+def _decode_point(runner: Any, shape: ModelShape, dtype_bytes: int, batch: int, context: int,
+                  bandwidth: float | None, options: RooflineOptions, deadline: Deadline, rng: np.random.Generator,
+                  max_len: int, record: BenchRecord) -> dict[str, Any]:
+    weight_bytes = decode_weight_bytes(shape, batch, dtype_bytes)
+    kv_bytes = decode_kv_bytes(shape, batch, context, dtype_bytes)
+    point = _point_base(batch=batch, context=context, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+    if bandwidth:
+        point["floor_ms"] = decode_floor_s(weight_bytes, kv_bytes, bandwidth) * 1e3
+    if context > max_len:
+        return {**point, "status": "skipped", "reason": f"context {context} > max_model_len {max_len}"}
+    if deadline.remaining() < 1.0:
+        return {**point, "status": "skipped", "reason": "time budget (--max-seconds) spent"}
+    try:
+        items, aliased = fake_batch(batch, context, 1, runner.block_size, runner.num_blocks, runner.vocab_size, rng,
+                                    alias=options.kv_aliasing)
+    except ValueError as exc:
+        need = batch * context * kv_bytes_per_token(shape, dtype_bytes)
+        return {**point, "status": "skipped",
+                "reason": f"KV does not fit: {exc} ({need / 1e9:.1f} GB of KV); --kv-aliasing runs it with shared blocks"}
+    point["kv_aliased"] = aliased
+    point["path"] = decode_path(runner, items)
+    budget = min(options.point_seconds, max(deadline.remaining(), 0.5))
+    try:
+        t = cuda_time(lambda: runner.execute(items), runner.device, warmup=3, reps=options.reps, budget_s=budget)
+    except Exception as exc:  # noqa: BLE001 - one failing point must not end the sweep
+        record.add_error(f"decode b={batch} ctx={context}", exc)
+        _release_after_failure()
+        return {**point, "status": "error", "error": f"{type(exc).__name__}: {exc}"}
+    point.update(t.as_dict())
+    point["tokens_per_s"] = batch / (t.median_ms / 1e3)
+    point["achieved_bytes_per_s"] = (weight_bytes + kv_bytes) / (t.median_ms / 1e3)
+    if "floor_ms" in point:
+        point["floor_pct"] = 100.0 * point["floor_ms"] / t.median_ms
+    try:
+        replay = replay_only(runner, items)
+        if replay is not None:
+            r = cuda_time(replay, runner.device, warmup=2, reps=options.reps, budget_s=budget / 2)
+            point["replay_only_ms"] = r.median_ms
+            if "floor_ms" in point:
+                point["floor_pct_replay_only"] = 100.0 * point["floor_ms"] / r.median_ms
+    except Exception as exc:  # noqa: BLE001 - the execute figure above stands on its own
+        record.add_error(f"decode replay-only b={batch} ctx={context}", exc)
+    log.info("decode point", batch=batch, context=context, path=point["path"], median_ms=round(t.median_ms, 3),
+             floor_pct=round(point.get("floor_pct", math.nan), 1))
+    return point
+
+
+def _prefill_point(runner: Any, shape: ModelShape, num_seqs: int, seq_len: int, matmul_rate: float | None,
+                   options: RooflineOptions, deadline: Deadline, rng: np.random.Generator, max_len: int,
+                   record: BenchRecord) -> dict[str, Any]:
+    flops = prefill_flops(shape, [seq_len] * num_seqs)
+    point = _point_base(shape=f"{num_seqs}x{seq_len}", num_seqs=num_seqs, seq_len=seq_len, tokens=num_seqs * seq_len,
+                        flops=flops)
+    if seq_len > max_len:
+        return {**point, "status": "skipped", "reason": f"sequence {seq_len} > max_model_len {max_len}"}
+    if deadline.remaining() < 1.0:
+        return {**point, "status": "skipped", "reason": "time budget (--max-seconds) spent"}
+    try:
+        items, _ = fake_batch(num_seqs, seq_len, seq_len, runner.block_size, runner.num_blocks, runner.vocab_size,
+                              rng, alias=False)
+        t = cuda_time(lambda: runner.execute(items), runner.device, warmup=2, reps=options.reps,
+                      budget_s=min(options.point_seconds, max(deadline.remaining(), 0.5)))
+    except Exception as exc:  # noqa: BLE001
+        record.add_error(f"prefill {num_seqs}x{seq_len}", exc)
+        _release_after_failure()
+        return {**point, "status": "error", "error": f"{type(exc).__name__}: {exc}"}
+    seconds = t.median_ms / 1e3
+    point.update(t.as_dict())
+    point["flops_per_s"] = flops["total"] / seconds
+    point["tokens_per_s"] = point["tokens"] / seconds
+    if matmul_rate:
+        point["mfu"] = flops["total"] / seconds / matmul_rate
+    log.info("prefill point", shape=point["shape"], median_ms=round(t.median_ms, 2), mfu=point.get("mfu"))
+    return point
+
+
+def _release_after_failure() -> None:
+    # An OOM leaves cached blocks behind; give them back before the next point.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def short_table(results: dict[str, Any]) -> list[str]:
+    """A few plain-text lines for the terminal: ceilings, then one line per point."""
+    lines = []
+    bw, mm = results.get("bandwidth", {}), results.get("matmul", {})
+    if bw:
+        lines.append(f"HBM copy bandwidth: {bw['bytes_per_s'] / 1e12:.2f} TB/s   "
+                     f"bf16 matmul: {mm.get('flops_per_s', math.nan) / 1e12:.0f} TFLOP/s")
+    lines.append(f"{'batch':>6} {'ctx':>6} {'step ms':>9} {'replay ms':>9} {'floor ms':>9} {'floor%':>7}  status")
+    for p in results.get("decode", []):
+        lines.append(f"{p['batch']:>6} {p['context']:>6} {p.get('median_ms', math.nan):>9.3f} "
+                     f"{p.get('replay_only_ms', math.nan):>9.3f} "
+                     f"{p.get('floor_ms', math.nan):>9.3f} {p.get('floor_pct', math.nan):>6.1f}%  "
+                     f"{p['status']} {p.get('path', '')}{' (kv aliased)' if p.get('kv_aliased') else ''}")
+    for p in results.get("prefill", []):
+        lines.append(f"prefill {p['shape']:>10}: {p.get('median_ms', math.nan):.2f} ms  "
+                     f"MFU {100 * p.get('mfu', math.nan):.1f}%  {p['status']}")
+    return lines

@@ -1,0 +1,201 @@
+"""`tandem bench throughput`: offline throughput of the in-process engine against the HF peer.
+
+One call, one model, one workload:
+
+1. The engine (`LLMEngine`, dummy weights) warms up on short unrelated requests, then runs
+   the whole workload submitted at once: output tok/s and total tok/s, vLLM-style.
+2. When the peer runs on a subset (`peer_num_prompts`, because transformers is slower), the
+   engine runs that same subset too (prefix cache reset first), so the ratio compares equal
+   work; the full-workload figure stays the headline.
+3. The engine's KV pool is released, a Hugging Face model is built from the same config, the
+   engine's weights are copied into it and checked on one prompt's logits, the engine is
+   freed, and the peer runs the same requests (`hf_peer.py`).
+
+ratio = engine output tok/s / peer output tok/s on the same requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+from tandem.bench.engine_run import reset_prefix_cache, run_engine, warm_up
+from tandem.bench.results import BenchRecord, Deadline
+from tandem.bench.workloads import Workload, make_workload, warmup_requests
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class ThroughputOptions:
+    """Workload selection and the peer's share of the run."""
+
+    workload: str = "nanovllm"
+    num_prompts: int | None = None
+    scale: float = 1.0
+    peer: bool = True
+    peer_num_prompts: int | None = None  # None: the whole workload
+    warmup_requests: int = 8
+    peer_cb_config: dict[str, Any] | None = None  # ContinuousBatchingConfig fields for the peer
+
+
+def engine_info(engine: Any) -> dict[str, Any]:
+    """The engine as configured: runner path, KV capacity and scheduler limits."""
+    from tandem.bench.roofline import describe_runner
+
+    sc = engine.config.scheduler
+    return {
+        **describe_runner(engine.runner),
+        "kv_capacity_tokens": engine.kv_capacity_tokens,
+        "max_model_len": engine.max_model_len,
+        "max_num_seqs": sc.max_num_seqs,
+        "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "prefix_caching": engine.config.cache.enable_prefix_caching,
+    }
+
+
+def run_throughput(record: BenchRecord, engine_config: Any, options: ThroughputOptions, deadline: Deadline) -> None:
+    """Fill `record.results` with the engine's figures, the peer's and their ratio."""
+    from tandem.engine_service.engine import LLMEngine
+
+    res = record.results
+    res["options"] = dict(vars(options))
+    engine = None
+    with record.stage("build_engine"):
+        t0 = time.monotonic()
+        engine = LLMEngine(engine_config)
+        res["engine"] = {**engine_info(engine), "build_s": round(time.monotonic() - t0, 2)}
+    if engine is None:
+        return
+    workload = make_workload(options.workload, engine.vocab_size, options.num_prompts, options.scale,
+                             max_model_len=engine.max_model_len)
+    res["workload"] = workload.describe()
+    peer_workload = workload
+    if options.peer and options.peer_num_prompts is not None and options.peer_num_prompts < len(workload.requests):
+        peer_workload = workload.head(options.peer_num_prompts)
+
+    with record.stage("warmup"):
+        res["engine"]["warmup"] = warm_up(engine, warmup_requests(engine.vocab_size, options.warmup_requests),
+                                          deadline.sub(fraction=0.2))
+    with record.stage("engine"):
+        run = run_engine(engine, workload.requests, deadline=deadline.sub(fraction=0.45 if options.peer else 1.0))
+        res["ours"] = run.summary()
+        record.incomplete |= run.timed_out
+    ours_matched = res.get("ours")
+    if peer_workload is not workload:
+        with record.stage("engine_on_peer_subset"):
+            reset_prefix_cache(engine)
+            run = run_engine(engine, peer_workload.requests, deadline=deadline.sub(fraction=0.35), id_prefix="subset")
+            res["ours_on_peer_subset"] = {**run.summary(), "workload": peer_workload.describe()}
+            ours_matched = res["ours_on_peer_subset"]
+            record.incomplete |= run.timed_out
+
+    if not options.peer:
+        res["peer"] = {"status": "not run (--no-peer)"}
+        return
+    hf = _prepare_peer(record, engine, engine_config)
+    del engine
+    if hf is None:
+        return
+    from tandem.bench.hf_peer import release_device_memory, run_hf_peer
+
+    release_device_memory()
+    with record.stage("peer"):
+        cb = options.peer_cb_config
+        if cb is None and hf.device.type == "cpu":
+            cb = _small_cb_config(peer_workload)  # auto-sizing from host RAM is slow and pointless here
+        peer = run_hf_peer(hf, peer_workload.requests, deadline,
+                           warmup_requests(peer_workload.params["vocab_size"], min(options.warmup_requests, 4)), cb)
+        peer["workload"] = peer_workload.describe()
+        peer["subset_of_workload"] = peer_workload is not workload
+        res["peer"] = {**res.get("peer", {}), **peer}
+        record.incomplete |= peer["timed_out"]
+        if ours_matched and peer["output_tokens_per_s"] > 0:
+            res["ratio"] = {
+                "output_tokens_per_s": ours_matched["output_tokens_per_s"] / peer["output_tokens_per_s"],
+                "total_tokens_per_s": ours_matched["total_tokens_per_s"] / peer["total_tokens_per_s"],
+                "on": "peer subset" if peer_workload is not workload else "full workload",
+                "num_requests": len(peer_workload.requests),
+                "comparable": not (ours_matched.get("timed_out") or peer["timed_out"]),
+            }
+    del hf
+    release_device_memory()
+
+
+def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
+    """Free the engine's KV pool, build the HF twin, copy weights, check logits; returns it."""
+    import torch
+
+    from tandem.bench.hf_peer import build_hf_model, compare_logits, copy_weights_to_hf, hf_last_logits, \
+        release_device_memory
+    from tandem.bench.roofline import fake_batch
+    from tandem.engine_service.loader import resolve_model
+
+    res = record.results
+    runner = engine.runner
+    prompt_len = 16
+    small_blocks = -(-prompt_len // runner.block_size) + 1
+    with record.stage("peer_release_engine_kv"):
+        # The pool took most free memory; the HF model and its own cache need it back. The
+        # captured graphs hold the pool (and their own memory pool) too: they go first.
+        if getattr(runner, "cuda_graphs", None) is not None:
+            runner.cuda_graphs = None
+        old = runner.kv_caches
+        runner.kv_caches = [torch.zeros((t.shape[0], small_blocks, *t.shape[2:]), dtype=t.dtype, device=t.device)
+                            for t in old]
+        del old
+        release_device_memory()
+    hf = None
+    with record.stage("peer_build"):
+        resolved = resolve_model(engine_config.model.model, engine_config.model.cache_dir)
+        t0 = time.monotonic()
+        hf = build_hf_model(resolved.config, runner.device, runner.dtype)
+        copied = copy_weights_to_hf(runner.model, hf)
+        res["peer"] = {"weights": {**copied, "source": "engine model tensors copied into the HF model"},
+                       "build_s": round(time.monotonic() - t0, 2),
+                       "dtype": str(runner.dtype).removeprefix("torch.")}
+    if hf is None:
+        return None
+    with record.stage("peer_verify"):
+        rng = np.random.default_rng(1234)
+        items, _ = fake_batch(1, prompt_len, prompt_len, runner.block_size, small_blocks, runner.vocab_size, rng)
+        ours = runner.execute(items)[0]
+        theirs = hf_last_logits(hf, items[0].seq.prompt_token_ids)
+        check = compare_logits(ours, theirs, runner.dtype)
+        res["peer"]["weights"]["logits_check"] = check
+        if not check["verified"]:
+            raise AssertionError(f"engine and HF logits disagree on the same weights: {check}")
+    return hf
+
+
+def _small_cb_config(workload: Workload) -> dict[str, Any]:
+    block = 32
+    blocks = sum(-(-(len(r.prompt_token_ids) + r.output_len) // block) for r in workload.requests) + 4
+    return {"block_size": block, "num_blocks": blocks, "max_batch_tokens": 512}
+
+
+def short_table(results: dict[str, Any]) -> list[str]:
+    """Terminal summary: engine and peer throughput and their ratio."""
+    lines = []
+    w = results.get("workload", {})
+    lines.append(f"workload {w.get('name')}: {w.get('num_requests')} requests, {w.get('input_tokens')} input / "
+                 f"{w.get('output_tokens')} output tokens")
+    for key, label in (("ours", "tandem engine"), ("ours_on_peer_subset", "tandem (peer subset)"),
+                       ("peer", "HF continuous batching")):
+        r = results.get(key)
+        if not r or "output_tokens_per_s" not in r:
+            continue
+        lines.append(f"{label:<24} {r['requests_per_s']:8.2f} req/s {r['total_tokens_per_s']:10.1f} total tok/s "
+                     f"{r['output_tokens_per_s']:10.1f} output tok/s  ({r['completed']}/{r['num_requests']} done"
+                     f"{', TIMED OUT' if r.get('timed_out') else ''})")
+    ratio = results.get("ratio")
+    if ratio:
+        lines.append(f"ratio (ours / peer, output tok/s, {ratio['on']}): {ratio['output_tokens_per_s']:.2f}x"
+                     f"{'' if ratio['comparable'] else '  (not comparable: a side timed out)'}")
+    else:
+        lines.append(f"ratio: not measured ({results.get('peer', {}).get('status', 'peer failed')})")
+    return lines

@@ -1,0 +1,335 @@
+"""Smoke tests of `tandem bench` on CPU: workloads, byte/FLOP accounting, the GPU guard, the
+throughput run (engine alone and against the Hugging Face peer on the same tiny model), the
+serving run through a real `tandem serve`, and the report generated from synthetic results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.bench import accounting
+from tandem.bench.workloads import make_workload
+from tandem.engine_service.dummy_configs import get_dummy_config
+
+TINY = "dummy:tiny-qwen3"
+
+
+@pytest.fixture
+def one_torch_thread():
+    # The CI box has 2 cores shared with other test processes; two OpenMP threads fighting a busy
+    # core make each tiny matmul wait on a barrier. One thread keeps these runs short.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _bench_args(*argv: str):
+    from tandem.cli import build_parser
+
+    return build_parser().parse_args(["bench", *argv])
+
+
+def _run_bench(*argv: str) -> tuple[int, dict]:
+    args = _bench_args(*argv)
+    rc = args.fn(args)
+    files = sorted(Path(args.out).glob(f"{args.bench_command}-*.json"))
+    assert len(files) == 1, files
+    return rc, json.loads(files[0].read_text())
+
+
+# -- workloads -----------------------------------------------------------------------------------
+
+
+def test_workloads_are_deterministic_prefix_stable_and_in_range():
+    full = make_workload("nanovllm", vocab_size=500)
+    assert len(full.requests) == 256
+    assert full.params["standard"] is True
+    for r in full.requests:
+        assert 100 <= len(r.prompt_token_ids) <= 1024 and 100 <= r.output_len <= 1024
+        assert 0 <= min(r.prompt_token_ids) and max(r.prompt_token_ids) < 500
+    again = make_workload("nanovllm", vocab_size=500)
+    assert [r.prompt_token_ids for r in again.requests] == [r.prompt_token_ids for r in full.requests]
+    head = make_workload("nanovllm", vocab_size=500, num_prompts=4)
+    assert head.requests == full.requests[:4] and head.params["standard"] is False
+    more = make_workload("nanovllm", vocab_size=500, num_prompts=300)
+    assert more.requests[:256] == full.requests
+    # Lengths spread over the range rather than sitting on one value.
+    assert len({r.output_len for r in full.requests}) > 100
+
+    rk = make_workload("sharegpt-like-random", vocab_size=1000, num_prompts=3)
+    assert rk.name == "random-1k"
+    assert all(len(r.prompt_token_ids) == 1024 and r.output_len == 1024 for r in rk.requests)
+    small = make_workload("random-1k", vocab_size=1000, num_prompts=2, scale=0.01)
+    assert all(len(r.prompt_token_ids) == 10 and r.output_len == 10 for r in small.requests)
+    clipped = make_workload("random-1k", vocab_size=1000, num_prompts=2, max_model_len=1500)
+    assert all(len(r.prompt_token_ids) + r.output_len <= 1500 for r in clipped.requests)
+    assert clipped.params["clipped_to_max_model_len"]["requests"] == 2
+
+
+# -- accounting ----------------------------------------------------------------------------------
+
+
+def test_qwen3_8b_decode_bytes_match_the_hand_count_and_the_guide():
+    cfg = get_dummy_config("qwen3-8b")
+    h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    # Per layer: q and o (h x heads*hd), k and v (h x kv_heads*hd), gate/up/down (h x inter),
+    # two RMSNorm scales (h) and Qwen3's q/k norms (hd each). Then final norm and the LM head,
+    # plus one embedding row per sequence (the table itself is not read at decode).
+    per_layer = 2 * h * heads * hd + 2 * h * kv_heads * hd + 3 * h * inter + 2 * h + 2 * hd
+    expected_b1 = 2 * (layers * per_layer + h + vocab * h + 1 * h)
+    shape = accounting.ModelShape.from_hf_config(cfg)
+    assert accounting.decode_weight_bytes(shape, 1, 2) == expected_b1
+    assert abs(expected_b1 / 1e9 - 15.1) < 0.1  # the guide's "≈15.1 GB of weights"
+    assert accounting.decode_weight_bytes(shape, 256, 2) == expected_b1 + 2 * 255 * h
+
+    per_token = 2 * layers * kv_heads * hd * 2  # K and V, bf16
+    assert per_token == 144 * 1024  # the guide's "144 KiB per token"
+    assert accounting.kv_bytes_per_token(shape, 2) == per_token
+    assert accounting.decode_kv_bytes(shape, 16, 1024, 2) == 16 * 1024 * per_token
+
+    # The guide's floors at ~4.3 TB/s: 3.2-3.6 ms at batch 1, 11-14 ms at batch 256 (1k context).
+    bw = 4.3e12
+    assert 3.2e-3 <= accounting.decode_floor_s(expected_b1, 1024 * per_token, bw) <= 3.6e-3
+    b256 = accounting.decode_weight_bytes(shape, 256, 2) + accounting.decode_kv_bytes(shape, 256, 1024, 2)
+    assert 11e-3 <= accounting.decode_floor_s(b256, 0, bw) <= 14e-3
+
+
+def test_prefill_flops_and_param_count_against_independent_counts():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = get_dummy_config("qwen3-8b")
+    shape = accounting.ModelShape.from_hf_config(cfg)
+    h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    matmul = 2 * h * heads * hd + 2 * h * kv_heads * hd + 3 * h * inter
+    flops = accounting.prefill_flops(shape, [1024] * 8)
+    assert flops["linear"] == 2 * layers * matmul * 8192
+    assert flops["lm_head"] == 2 * vocab * h * 8  # logits only for each sequence's last token
+    # Causal attention: QK^T and PV over 1024*1025/2 (query, key) pairs per head and layer.
+    assert flops["attention"] == 8 * layers * 2 * 2 * heads * hd * (1024 * 1025 // 2)
+    assert flops["total"] == flops["linear"] + flops["lm_head"] + flops["attention"]
+    one_long = accounting.prefill_flops(shape, [8192])
+    assert one_long["linear"] == flops["linear"] and one_long["attention"] > 7 * flops["attention"]
+
+    # Parameter count: the Hugging Face model of the same config, built on the meta device.
+    hf_cfg = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_cfg)
+    assert accounting.total_params(shape) == sum(p.numel() for p in hf.parameters())
+
+
+# -- GPU-only parts refuse clearly on CPU ---------------------------------------------------------
+
+
+def test_gpu_only_measurements_raise_a_clear_error_on_cpu(tmp_path, capsys):
+    from tandem.bench.roofline import measure_hbm_bandwidth, measure_matmul_rate
+    from tandem.bench.timing import GPURequiredError, cuda_time
+
+    cpu = torch.device("cpu")
+    with pytest.raises(GPURequiredError, match="CUDA"):
+        measure_hbm_bandwidth(cpu, nbytes=1 << 20)
+    with pytest.raises(GPURequiredError, match="CUDA"):
+        measure_matmul_rate(cpu, n=64)
+    with pytest.raises(GPURequiredError, match="CUDA"):
+        cuda_time(lambda: None, cpu)
+
+    args = _bench_args("roofline", "--device", "cpu", "--model", TINY, "--out", str(tmp_path / "out"))
+    assert args.fn(args) == 2
+    assert "needs a CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # no result file for a run that cannot happen
+
+
+# -- throughput ----------------------------------------------------------------------------------
+
+
+def test_throughput_engine_only_on_tiny_model(tmp_path, one_torch_thread, capsys):
+    rc, data = _run_bench("throughput", "--model", TINY, "--workload", "nanovllm", "--num-prompts", "4",
+                          "--scale", "0.05", "--no-peer", "--warmup-requests", "2", "--cpu-kv-cache-gb", "0.01",
+                          "--out", str(tmp_path))
+    assert rc == 0, data["errors"]
+    assert data["schema"] == "tandem.bench/v1" and data["kind"] == "throughput" and data["complete"]
+    for key in ("device", "torch", "transformers", "python", "git_commit", "timestamp"):
+        assert data["env"].get(key), key
+    res = data["results"]
+    expected = make_workload("nanovllm", vocab_size=320, num_prompts=4, scale=0.05, max_model_len=512)
+    assert res["workload"]["output_tokens"] == expected.num_output_tokens
+    ours = res["ours"]
+    assert ours["completed"] == 4 and not ours["timed_out"]
+    assert ours["output_tokens"] == expected.num_output_tokens  # ignore_eos: every token counted
+    assert ours["input_tokens"] == expected.num_input_tokens
+    assert ours["requests_not_at_target_length"] == 0
+    assert ours["output_tokens_per_s"] > 0 and ours["total_tokens_per_s"] > ours["output_tokens_per_s"]
+    assert ours["prefix_cache_hits"] == 0  # warm-up prompts share nothing with the workload
+    assert "ratio" not in res
+    assert "tandem engine" in capsys.readouterr().out.splitlines()[-2]
+
+
+def test_throughput_against_hf_peer_on_the_same_weights(tmp_path, one_torch_thread):
+    rc, data = _run_bench("throughput", "--model", TINY, "--num-prompts", "4", "--peer-num-prompts", "3",
+                          "--scale", "0.05", "--warmup-requests", "2", "--cpu-kv-cache-gb", "0.01",
+                          "--out", str(tmp_path))
+    assert rc == 0, data["errors"]
+    res = data["results"]
+    peer, subset = res["peer"], res["ours_on_peer_subset"]
+    expected = make_workload("nanovllm", vocab_size=320, num_prompts=4, scale=0.05, max_model_len=512).head(3)
+    # The HF model computes the same function: its logits match the engine's on one prompt.
+    check = peer["weights"]["logits_check"]
+    assert check["verified"] and check["cosine"] > 0.9999 and check["same_argmax"]
+    assert peer["weights"]["copied"] > 0
+    # Same requests on both sides, each generating exactly its own output length.
+    for side in (peer, subset):
+        assert side["completed"] == 3 and not side["timed_out"]
+        assert side["output_tokens"] == expected.num_output_tokens
+        assert side["requests_not_at_target_length"] == 0
+    assert peer["subset_of_workload"] is True and res["ours"]["completed"] == 4
+    ratio = res["ratio"]
+    assert ratio["on"] == "peer subset" and ratio["num_requests"] == 3 and ratio["comparable"]
+    assert ratio["output_tokens_per_s"] == pytest.approx(subset["output_tokens_per_s"] / peer["output_tokens_per_s"])
+
+
+# -- serve ---------------------------------------------------------------------------------------
+
+
+def test_serve_through_grpc_and_in_process(tmp_path, one_torch_thread, monkeypatch):
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "1")  # the engine child, for the same reason
+    rc, data = _run_bench("serve", "--model", TINY, "--concurrency", "1,2", "--requests-per-level", "2",
+                          "--scale", "0.03", "--warmup-requests", "1", "--cpu-kv-cache-gb", "0.01",
+                          "--level-seconds", "120", "--out", str(tmp_path))
+    assert rc == 0, data["errors"]
+    res = data["results"]
+    assert res["server"]["exit_code"] == 0
+    levels = res["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2]
+    workload = make_workload("nanovllm", vocab_size=320, num_prompts=4, scale=0.03, max_model_len=512)
+    for i, level in enumerate(levels):
+        share = workload.requests[2 * i : 2 * i + 2]
+        served, local = level["served"], level["in_process"]
+        assert served["completed"] == 2 and served["failed"] == 0
+        assert served["output_tokens"] == sum(r.output_len for r in share)
+        assert local["output_tokens"] == served["output_tokens"]
+        assert served["ttft_ms"]["p50"] > 0 and served["e2e_ms"]["count"] == 2
+        assert level["ratio_output_tokens_per_s"] == pytest.approx(
+            served["output_tokens_per_s"] / local["output_tokens_per_s"])
+    assert "grpc_ttft_overhead_ms_c1" in res
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def _synthetic(kind: str, model: str, results: dict, stamp: str) -> dict:
+    env = {"device": "Test GPU 141GB", "torch": "9.9.0", "triton": "8.8.0", "transformers": "7.7.0",
+           "python": "3.12.1", "git_commit": "0123456789abcdef0123", "git_dirty": False, "timestamp": stamp}
+    return {"schema": "tandem.bench/v1", "kind": kind, "model": model, "env": env, "config": {},
+            "results": results, "errors": [], "wall_s": 1.0, "complete": True}
+
+
+def test_report_tables_carry_device_commit_workload_and_ratio(tmp_path):
+    from tandem.bench.report import build_report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    roofline = {
+        "bandwidth": {"bytes_per_s": 4.0e12}, "matmul": {"flops_per_s": 8.0e14},
+        "runner": {"attention_backend": "triton"},
+        "decode": [
+            {"status": "ok", "batch": 1, "context": 1024, "median_ms": 4.0, "floor_ms": 3.4, "floor_pct": 85.0,
+             "path": "cuda graph replay", "replay_only_ms": 3.8, "floor_pct_replay_only": 89.5},
+            {"status": "ok", "batch": 16, "context": 1024, "median_ms": 5.0, "floor_ms": 4.0, "floor_pct": 80.0,
+             "path": "cuda graph replay"},
+            {"status": "skipped", "batch": 256, "context": 8192, "reason": "KV does not fit"},
+        ],
+        "prefill": [{"status": "ok", "shape": "8x1024", "tokens": 8192, "median_ms": 250.0,
+                     "flops_per_s": 3.2e14, "mfu": 0.4}],
+    }
+    throughput = {
+        "workload": {"name": "nanovllm", "num_requests": 256, "standard": True},
+        "ours": {"output_tokens_per_s": 3000.0, "total_tokens_per_s": 6000.0},
+        "peer": {"output_tokens_per_s": 2000.0, "total_tokens_per_s": 4000.0, "attn_implementation": "paged|sdpa"},
+        "ratio": {"output_tokens_per_s": 1.5, "on": "full workload", "num_requests": 256, "comparable": True},
+    }
+    serve = {
+        "workload": {"name": "nanovllm"}, "grpc_ttft_overhead_ms_c1": 1.25,
+        "levels": [{"concurrency": 16, "num_requests": 32,
+                    "served": {"completed": 32, "output_tokens_per_s": 950.0,
+                               "ttft_ms": {"p50": 20.0, "p90": 30.0, "p99": 40.0},
+                               "tpot_ms": {"p50": 5.0, "p90": 6.0, "p99": 7.0},
+                               "itl_ms": {"p50": 5.0, "p90": 6.5, "p99": 9.0}},
+                    "in_process": {"output_tokens_per_s": 1000.0}, "ratio_output_tokens_per_s": 0.95}],
+    }
+    for name, doc in (("roofline-qwen3-8b-1.json", _synthetic("roofline", "dummy:qwen3-8b", roofline, "2030-01-01T00:00:00Z")),
+                      ("throughput-qwen3-0.6b-1.json", _synthetic("throughput", "dummy:qwen3-0.6b", throughput, "2030-01-01T00:00:01Z")),
+                      ("serve-qwen3-0.6b-1.json", _synthetic("serve", "dummy:qwen3-0.6b", serve, "2030-01-01T00:00:02Z"))):
+        (results / name).write_text(json.dumps(doc))
+    (results / "notes.json").write_text("{not json")  # skipped, not fatal
+
+    md, png = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "benchmarks_decode.png"
+    out = build_report(results, md, png)
+    assert out["results"] == 3
+    text = md.read_text()
+    assert "not measured yet" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| `dummy:")]
+
+    def row_with(*needles: str) -> str:
+        found = [r for r in rows if all(n in r for n in needles)]
+        assert len(found) == 1, (needles, rows)
+        return found[0]
+
+    for needles in ((" 1 | 1024 ", "85.0%", "89.5%", "decode-sweep"), (" 16 | 1024 ", "80.0%"),
+                    ("prefill 8x1024", "40.0%"), ("nanovllm (256 req)", "1.50×"), ("| 16 |", "0.95×")):
+        row = row_with(*needles)
+        assert "Test GPU 141GB" in row and "`0123456789`" in row and "torch 9.9.0" in row
+    assert "skipped" in row_with(" 256 | 8192 ")
+    assert "20.0 / 30.0 / 40.0" in row_with("| 16 |", "0.95×")
+    assert "1.25 ms" in text
+    assert "](benchmarks_decode.png)" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_without_results_says_not_measured(tmp_path):
+    from tandem.bench.report import build_report
+
+    md, png = tmp_path / "benchmarks.md", tmp_path / "benchmarks_decode.png"
+    png.write_bytes(b"stale")
+    out = build_report(tmp_path / "missing", md, png)
+    text = md.read_text()
+    assert out == {"markdown": str(md), "plot": None, "results": 0}
+    assert text.count("not measured yet") == 5  # four tables and the history
+    assert not png.exists() and ".png" not in text
+
+
+# -- robustness ----------------------------------------------------------------------------------
+
+
+def test_failures_and_time_limits_are_recorded_not_fatal(tmp_path, one_torch_thread):
+    from tandem.bench.engine_run import run_engine
+    from tandem.bench.results import Deadline, new_record, write_record
+    from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from tandem.engine_service.engine import LLMEngine
+
+    record = new_record("throughput", TINY, {"note": "synthetic"}, device="cpu")
+    with record.stage("first"):
+        raise RuntimeError("boom")
+    with record.stage("second"):
+        record.results["second"] = "ran"
+    assert record.results["second"] == "ran"
+    assert [e["stage"] for e in record.errors] == ["first"] and "RuntimeError: boom" in record.errors[0]["error"]
+    path = write_record(record, tmp_path)
+    again = write_record(record, tmp_path)  # same timestamp: a second file, never an overwrite
+    assert path != again and path.name.startswith("throughput-tiny-qwen3-")
+    saved = json.loads(path.read_text())
+    assert saved["complete"] is False and saved["errors"][0]["stage"] == "first"
+
+    engine = LLMEngine(EngineConfig(ModelConfig(model=TINY, device="cpu"), CacheConfig(num_blocks=64),
+                                    SchedulerConfig(max_num_seqs=8)))
+    requests = make_workload("nanovllm", engine.vocab_size, num_prompts=3, scale=0.02).requests
+    spent = run_engine(engine, requests, deadline=Deadline(0.0))
+    assert spent.timed_out and spent.completed == [] and spent.summary()["timed_out"]
+    assert not engine.has_work()  # in-flight requests were aborted; the engine is reusable
+    done = run_engine(engine, requests, concurrency=2, id_prefix="again")
+    assert not done.timed_out and len(done.completed) == 3
+    assert sum(t.output_tokens for t in done.requests) == sum(r.output_len for r in requests)
