@@ -195,7 +195,9 @@ class DecodeCudaGraphs:
             main.wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: the engine process has other threads (gRPC, metrics) that may touch
+            # CUDA meanwhile; only this thread's calls must be capture-safe.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 logits = self._forward(bucket, metadata)
             self._graphs[bucket] = graph
             self._logits[bucket] = logits  # kept alive: the graph writes here on every replay

@@ -166,7 +166,7 @@ class PinnedStaging:
     refilled only after the copy that last read it has finished (an event wait — in practice
     long done, since the sampler reads the previous step's tokens back before the next step is
     built). Buffers grow to the next power of two when a step needs more. For a CPU device the
-    buffers are ordinary memory and the "copy" is a view (tests exercise the packing so).
+    buffers are ordinary memory and each "copy" a clone (tests exercise the packing so).
     """
 
     def __init__(self, device: torch.device) -> None:
