@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One GPU session's measurements: install the carried wheels (see bench/results/README.md), then
+# run the named part(s) with a time bound each. Results land in $OUT (or ./gpu-out).
+# Usage on the GPU machine: bash bench/run_gpu.sh parity roofline | throughput serve
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+PY="python3 -P"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+for part in "$@"; do
+  echo "=== $part ($(date -u +%T))"
+  case "$part" in
+    parity) timeout 170 $PY -m tandem.gpu_checks.model_parity --out "$OUT" ;;
+    roofline) timeout 200 $PY -m tandem.cli bench roofline --model dummy:qwen3-8b --max-model-len 8192 --max-seconds 180 --out "$OUT" ;;
+    throughput) timeout 230 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload nanovllm --peer-num-prompts 64 --max-seconds 210 --out "$OUT" ;;
+    serve) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --max-seconds 200 --out "$OUT" ;;
+  esac
+  echo "=== $part exit $?"
+done 2>&1 | tee -a "$OUT/run.log"
