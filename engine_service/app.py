@@ -42,6 +42,7 @@ class EngineServerOptions:
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
     reflection: bool = False  # serve grpc.reflection
+    fail_after_steps: int | None = None  # testing only: inject a fatal engine error
 
 
 def model_info(engine: LLMEngine) -> dict:
@@ -93,7 +94,11 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     engine = await loop.run_in_executor(None, LLMEngine, config)
     fatal = asyncio.Event()
     stop = asyncio.Event()
-    async_engine = AsyncEngine(engine, on_fatal=lambda exc: loop.call_soon_threadsafe(fatal.set))
+    async_engine = AsyncEngine(
+        engine,
+        on_fatal=lambda exc: loop.call_soon_threadsafe(fatal.set),
+        fail_after_steps=options.fail_after_steps,
+    )
     EngineMetrics(async_engine, config.model.model, registry)  # before start: it adds a step listener
     async_engine.start(loop)
     limits = Limits(

@@ -55,8 +55,15 @@ class RequestStream:
 class AsyncEngine:
     """Owns the engine thread; the asyncio-facing API of one engine replica."""
 
-    def __init__(self, engine: LLMEngine, on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        fail_after_steps: int | None = None,
+    ):
         self.engine = engine
+        # Fault injection for the failure tests: raise inside the loop after this many steps.
+        self._fail_after_steps = fail_after_steps
         self.max_waiting_requests = engine.config.scheduler.max_waiting_requests
         self.max_waiting_tokens = engine.config.scheduler.max_waiting_tokens
         # Adds posted but not yet reflected in `stats_snapshot` (requests, prompt tokens).
@@ -208,6 +215,8 @@ class AsyncEngine:
                 outputs = self._drain_inbox(added)
                 t0 = time.perf_counter()
                 if self.engine.has_work():
+                    if self._fail_after_steps is not None and self.engine.counters.steps >= self._fail_after_steps:
+                        raise RuntimeError(f"injected fault after {self._fail_after_steps} steps")
                     outputs.extend(self.engine.step())
                 step_time = time.perf_counter() - t0
                 snapshot = self.engine.stats()

@@ -105,6 +105,12 @@ def _engine_metrics_argv(args) -> list[str]:
     return ["--metrics-host", args.metrics_host, "--metrics-port", str(args.engine_metrics_port)]
 
 
+def _fault_after_steps() -> int | None:
+    """Testing only: TANDEM_FAULT_AFTER_STEPS=N makes the engine loop fail after N steps."""
+    value = os.environ.get("TANDEM_FAULT_AFTER_STEPS")
+    return int(value) if value else None
+
+
 def cmd_engine(args) -> int:
     from tandem.engine_service.app import EngineServerOptions, run_engine
 
@@ -112,6 +118,7 @@ def cmd_engine(args) -> int:
                                                                 default_max_tokens=args.default_max_tokens,
                                                                 drain_timeout=args.drain_timeout,
                                                                 security=_security(args), reflection=args.enable_reflection,
+                                                                fail_after_steps=_fault_after_steps(),
                                                                 **_metrics_options(args)))
 
 

@@ -312,3 +312,17 @@ def test_soak_exactly_one_terminal_status(client):
     assert not broken, broken
     assert {o for _, o in endings} >= {"final"}
     wait_idle(client)
+
+
+# -- Fatal engine error: requests fail with a status, the engine exits non-zero, serve follows ---------
+def test_fatal_engine_error_fails_requests_and_exits_nonzero(launch_serve):
+    # The engine loop raises after 40 steps (fault injection read once at start).
+    server, frontend, _ = launch_serve([], env={"TANDEM_FAULT_AFTER_STEPS": "40"})
+    with TandemClient(frontend) as c:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("Count to a thousand:", timeout=60, **LONG)
+        assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), err.value
+        assert time.monotonic() - started < 60  # failed fast, did not hang to the deadline
+    # The engine exits 1; `tandem serve` notices, drains its frontend and exits non-zero too.
+    assert server.proc.wait(60) != 0
