@@ -32,17 +32,23 @@ class DuplicateRequestError(ValueError):
     """A request with this ID is already in flight."""
 
 
+class UnknownChannelError(KeyError):
+    """Submit named a multiplexed channel that is not open (maps to FAILED_PRECONDITION)."""
+
+
 class QueueFullError(RuntimeError):
     """The bounded waiting queue is full (maps to RESOURCE_EXHAUSTED with a retry hint)."""
 
 
 @dataclass
 class RequestStream:
-    """The consumer end of one request: step outputs arrive here in order."""
+    """The consumer end of one request (or of a multiplexed channel carrying many requests):
+    step outputs arrive here in order."""
 
     request_id: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    channel: str | None = None  # set when the request's outputs go to a multiplexed channel
 
     async def next_batch(self) -> list[StepOutput]:
         """Waits for at least one step output and returns every one already queued."""
@@ -72,6 +78,8 @@ class AsyncEngine:
         self._on_fatal = on_fatal
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
+        self._channels: dict[str, RequestStream] = {}
+        self._channel_members: dict[str, set[str]] = {}
         self._inbox: deque[tuple[str, tuple]] = deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -107,7 +115,12 @@ class AsyncEngine:
         return list(self._streams)
 
     # -- requests (called on the event loop) ------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, channel: str | None = None
+    ) -> RequestStream:
+        """Admits a request. With `channel`, its outputs go to that open channel's queue."""
+        if channel is not None and channel not in self._channels:
+            raise UnknownChannelError(channel)
         if self.fatal_error is not None:
             raise EngineUnavailableError(f"engine failed: {self.fatal_error}")
         if not self.accepting:
@@ -123,10 +136,32 @@ class AsyncEngine:
         with self._wake:
             self._pending_requests += 1
             self._pending_tokens += len(prompt_token_ids)
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, channel=channel)
         self._streams[request_id] = stream
+        if channel is not None:
+            self._channel_members[channel].add(request_id)
         self._post("add", (request_id, list(prompt_token_ids), params, time.monotonic()))
         return stream
+
+    # -- multiplexed channels (one per frontend connection) ---------------------------------------
+    def open_channel(self, channel: str) -> RequestStream:
+        """Opens a channel: one queue that receives the outputs of every request bound to it."""
+        if channel in self._channels:
+            raise DuplicateRequestError(f"channel {channel}")
+        stream = RequestStream(channel)
+        self._channels[channel] = stream
+        self._channel_members[channel] = set()
+        return stream
+
+    def channel_members(self, channel: str) -> list[str]:
+        """Requests bound to `channel` that have not ended."""
+        return list(self._channel_members.get(channel, ()))
+
+    def close_channel(self, channel: str) -> None:
+        """Closes a channel whose subscriber went away and aborts the requests still bound to it."""
+        self._channels.pop(channel, None)
+        for request_id in self._channel_members.pop(channel, set()):
+            self.release(request_id)
 
     def queue_depth(self) -> tuple[int, int]:
         """Requests and prompt tokens waiting for their first step, including adds in transit."""
@@ -241,18 +276,26 @@ class AsyncEngine:
             stream = self._streams.get(o.request_id)
             if stream is None or stream.finished:
                 continue
-            stream.queue.put_nowait(o)
+            target = stream if stream.channel is None else self._channels.get(stream.channel)
+            if target is not None:
+                target.queue.put_nowait(o)
             if o.finished:
                 stream.finished = True
                 del self._streams[o.request_id]
+                if stream.channel is not None:
+                    self._channel_members.get(stream.channel, set()).discard(o.request_id)
 
     def _fail_all(self, message: str) -> None:
         for request_id, stream in list(self._streams.items()):
-            stream.queue.put_nowait(
-                StepOutput(request_id, finished=True, finish_reason=FinishReason.ERROR, error=message)
-            )
+            target = stream if stream.channel is None else self._channels.get(stream.channel)
+            if target is not None:
+                target.queue.put_nowait(
+                    StepOutput(request_id, finished=True, finish_reason=FinishReason.ERROR, error=message)
+                )
             stream.finished = True
         self._streams.clear()
+        for members in self._channel_members.values():
+            members.clear()
 
 
 def _settle(fut: asyncio.Future, result: object, error: BaseException | None) -> None:

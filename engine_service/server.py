@@ -19,6 +19,7 @@ from tandem.engine_service.async_engine import (
     DuplicateRequestError,
     EngineUnavailableError,
     QueueFullError,
+    UnknownChannelError,
 )
 from tandem.engine_service.engine import StepOutput
 from tandem.engine_service.sequence import FinishReason
@@ -47,6 +48,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.engine: AsyncEngine | None = None
         self.limits: Limits | None = None
         self.model_info: dict = {}
+        # Multiplexed requests in flight: request_id -> (its EngineRequest, first message pending).
+        self._mux_requests: dict[str, tuple[engine_pb2.EngineRequest, bool]] = {}
 
     def attach(self, engine: AsyncEngine, limits: Limits, model_info: dict) -> None:
         self.engine = engine
@@ -59,7 +62,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return self.engine
 
     # -- request admission -------------------------------------------------------------------------
-    def _admit(self, request: engine_pb2.EngineRequest):
+    def _admit(self, request: engine_pb2.EngineRequest, channel: str | None = None):
         if not request.request_id:
             raise InvalidRequest("request_id", "must not be empty")
         if len(request.request_id) > 512:
@@ -71,13 +74,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             len(prompt),
             [list(s.token_ids) for s in request.stop_token_sequences],
         )
-        return self.engine.submit(request.request_id, prompt, params)
+        return self.engine.submit(request.request_id, prompt, params, channel=channel)
 
-    async def _start(self, request, context):
+    async def _start(self, request, context, channel: str | None = None):
         await reject_malformed(request, context)
         await self._require_engine(context)
         try:
-            return self._admit(request)
+            return self._admit(request, channel)
+        except UnknownChannelError:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"channel_id {channel!r} is not subscribed")
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except DuplicateRequestError:
@@ -133,6 +138,61 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if last.finish_reason == FinishReason.ERROR:
             await context.abort(grpc.StatusCode.INTERNAL, last.error or "engine error")
         return self._response(request, collected, True)
+
+    # -- multiplexed transport ----------------------------------------------------------------------------
+    async def Subscribe(self, request, context):
+        """One stream per frontend connection: every step's deltas for all its requests."""
+        await reject_malformed(request, context)
+        engine = await self._require_engine(context)
+        if not request.channel_id or len(request.channel_id) > 256:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "channel_id: 1..256 characters required")
+        try:
+            channel = engine.open_channel(request.channel_id)
+        except DuplicateRequestError:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"channel_id {request.channel_id!r} is in use")
+        try:
+            yield engine_pb2.EngineBatch()  # acknowledgement: Submit may name this channel now
+            while True:
+                outputs = await channel.next_batch()
+                batch = engine_pb2.EngineBatch()
+                by_request: dict[str, list[StepOutput]] = {}
+                for o in outputs:
+                    by_request.setdefault(o.request_id, []).append(o)
+                for request_id, items in by_request.items():
+                    submitted, first = self._mux_requests.get(request_id, (None, False))
+                    if submitted is None:
+                        continue
+                    msg = self._response(submitted, items, first)
+                    if items[-1].finished:
+                        if items[-1].finish_reason == FinishReason.ERROR:
+                            msg.error = items[-1].error or "engine error"
+                        del self._mux_requests[request_id]
+                    else:
+                        self._mux_requests[request_id] = (submitted, False)
+                    batch.responses.append(msg)
+                if batch.responses:
+                    yield batch
+        finally:
+            for request_id in engine.channel_members(request.channel_id):
+                self._mux_requests.pop(request_id, None)
+            engine.close_channel(request.channel_id)
+
+    async def Submit(self, request, context):
+        """Admits a request whose deltas go to the Subscribe stream named by channel_id."""
+        await reject_malformed(request, context)
+        if not request.channel_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "channel_id: required for Submit")
+        if request.request_id in self._mux_requests:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is in flight")
+        # Registered before admission so the first step's output always finds its request.
+        self._mux_requests[request.request_id] = (request, True)
+        try:
+            await self._start(request, context, channel=request.channel_id)
+        except BaseException:
+            if self._mux_requests.get(request.request_id, (None,))[0] is request:
+                del self._mux_requests[request.request_id]
+            raise
+        return engine_pb2.SubmitResponse(request_id=request.request_id)
 
     async def Utility(self, request, context):
         await reject_malformed(request, context)

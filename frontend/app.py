@@ -43,6 +43,7 @@ class FrontendOptions:
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
     reflection: bool = False  # serve grpc.reflection
+    engine_transport: str = "stream"  # "stream" (a call per choice) or "mux" (one stream per engine)
 
 
 async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> RequestBuilder:
@@ -78,7 +79,8 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     engine_security = options.engine_security
     pool = EnginePool(options.engines, channel_options=engine_security.channel_options(),
                       credentials=engine_security.channel_credentials(),
-                      interceptors=engine_security.aio_client_interceptors())
+                      interceptors=engine_security.aio_client_interceptors(),
+                      transport=options.engine_transport)
     registry = new_registry()
     servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(pool, registry))
     metrics_endpoint = (

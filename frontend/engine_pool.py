@@ -15,7 +15,8 @@ import structlog
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.v1 import common_pb2, engine_pb2_grpc
+from tandem.frontend.engine_mux import MuxChannel
+from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -38,6 +39,16 @@ class EngineReplica:
     in_flight: int = 0
     healthy: bool = False
     model_info: dict = field(default_factory=dict)
+    mux: MuxChannel | None = None  # the multiplexed subscription, opened on first use
+
+    def open_call(self, request: engine_pb2.EngineRequest, timeout: float | None, metadata, multiplexed: bool):
+        """Starts one engine request: a per-request Stream call, or a call on the shared
+        multiplexed subscription. Both iterate `EngineResponse`s and have `cancel()`."""
+        if multiplexed:
+            if self.mux is None:
+                self.mux = MuxChannel(self.stub, self.address)
+            return self.mux.call(request, timeout, metadata)
+        return self.stub.Stream(request, timeout=timeout, metadata=metadata)
 
     async def utility(self, command: int, request_id: str = "", timeout: float = 10.0) -> dict:
         resp = await self.stub.Utility(
@@ -58,11 +69,15 @@ class EnginePool:
     """All engine replicas known to this frontend."""
 
     def __init__(self, addresses: list[str], channel_options: list | None = None, credentials=None,
-                 interceptors: list | None = None) -> None:
+                 interceptors: list | None = None, transport: str = "stream") -> None:
         """`credentials` secure the channels (TLS/mTLS); `interceptors` (asyncio client
         interceptors) add per-call metadata such as the engine's bearer token."""
         if not addresses:
             raise ValueError("at least one engine address is needed")
+        if transport not in ("stream", "mux"):
+            raise ValueError(f"unknown engine transport {transport!r} (stream or mux)")
+        # "stream": one engine Stream call per choice; "mux": one Subscribe stream per replica.
+        self.multiplexed = transport == "mux"
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -121,6 +136,9 @@ class EnginePool:
     async def close(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
+        for r in self.replicas:
+            if r.mux is not None:
+                await r.mux.close()
         await asyncio.gather(*(r.channel.close() for r in self.replicas), return_exceptions=True)
 
     def limits_info(self) -> dict:

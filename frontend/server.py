@@ -176,7 +176,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         deadline = context.time_remaining()
         obs = active.observation
         metadata = obs.engine_metadata()  # the client's trace continues on the engine hop
-        calls = [replica.stub.Stream(er, timeout=deadline, metadata=metadata) for er in prepared.engine_requests]
+        calls = [replica.open_call(er, deadline, metadata, self.pool.multiplexed) for er in prepared.engine_requests]
         replica.in_flight += 1
 
         async def pump(i: int) -> None:

@@ -129,7 +129,8 @@ def cmd_frontend(args) -> int:
                                         tokenizer_path=args.tokenizer, served_model_name=args.served_model_name,
                                         default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
                                         security=_security(args), engine_security=_security(args, "engine-"),
-                                        reflection=args.enable_reflection, **_metrics_options(args)))
+                                        reflection=args.enable_reflection, engine_transport=args.engine_transport,
+                                        **_metrics_options(args)))
 
 
 def cmd_serve(args) -> int:
@@ -176,7 +177,8 @@ def cmd_serve(args) -> int:
                                           served_model_name=args.served_model_name, tokenizer_path=args.tokenizer,
                                           default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
                                           security=security, engine_security=engine_security,
-                                          reflection=args.enable_reflection, **_metrics_options(args)))
+                                          reflection=args.enable_reflection, engine_transport=args.engine_transport,
+                                        **_metrics_options(args)))
     finally:
         stopping.set()
         if child.poll() is None:
@@ -265,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="engine + frontend together")
+    serve.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
+                        help="frontend-engine transport: a Stream call per choice, or one multiplexed stream per engine")
     serve.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
     _engine_args(serve)
     serve.add_argument("--host", default="0.0.0.0", help="frontend bind address")
@@ -292,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(fn=cmd_engine)
 
     front = sub.add_parser("frontend", help="the frontend alone, in front of one or more engines")
+    front.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
+                        help="frontend-engine transport: a Stream call per choice, or one multiplexed stream per engine")
     front.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
     front.add_argument("--host", default="0.0.0.0")
     front.add_argument("--port", type=int, default=50051)

@@ -113,6 +113,8 @@ def add_bench_parser(sub: Any) -> None:
                    help="tokenizer directory for the frontend (default: the model's, or a word-level stand-in)")
     g.add_argument("--no-in-process", action="store_true", help="skip the in-process comparison")
     g.add_argument("--warmup-requests", type=int, default=8)
+    g.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
+                   help="frontend-engine transport of the served side")
     srv.set_defaults(fn=cmd_bench, bench_fn=_serve)
 
     rep = bsub.add_parser("report", help="write docs/benchmarks.md and its plot from bench/results/*.json")
@@ -205,7 +207,7 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         workload=args.workload, scale=args.scale, concurrencies=args.concurrency,
         requests_per_level=args.requests_per_level, level_seconds=args.level_seconds,
         startup_timeout=args.startup_timeout, tokenizer=args.tokenizer, in_process=not args.no_in_process,
-        warmup_requests=args.warmup_requests)
+        warmup_requests=args.warmup_requests, engine_transport=args.engine_transport)
     serve.run_serve(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
     return serve.short_table
 

@@ -91,12 +91,20 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows), ""]
 
 
+def transport_of(data: dict[str, Any]) -> str:
+    """The frontend-engine transport of a serve run (runs before the option existed: stream)."""
+    if data.get("kind") != "serve":
+        return ""
+    return (data.get("results", {}).get("options") or {}).get("engine_transport", "stream")
+
+
 def latest_per_key(records: list[Record], kind: str) -> list[Record]:
-    """The newest record of `kind` for each (model, device); records are oldest first."""
-    latest: dict[tuple[str, str], Record] = {}
+    """The newest record of `kind` for each (model, device, variant); records are oldest first.
+    The variant is the served side's engine transport for `serve` runs (both are kept)."""
+    latest: dict[tuple[str, str, str], Record] = {}
     for path, data in records:
         if data.get("kind") == kind:
-            latest[(data.get("model", ""), device_cell(data.get("env", {})))] = (path, data)
+            latest[(data.get("model", ""), device_cell(data.get("env", {})), transport_of(data))] = (path, data)
     return sorted(latest.values(), key=lambda r: (r[1].get("model", ""), device_cell(r[1].get("env", {}))))
 
 
@@ -182,14 +190,16 @@ def serve_rows(records: list[Record]) -> tuple[list[list[Any]], list[str]]:
             if s.get("timed_out"):
                 done += " (timed out)"
             rows.append([
-                model_cell(data), device_cell(env), w.get("name", "?"), level.get("concurrency"), done,
+                model_cell(data), device_cell(env), f"{w.get('name', '?')}, transport {transport_of(data)}",
+                level.get("concurrency"), done,
                 _triple(s.get("ttft_ms")), _triple(s.get("tpot_ms"), ".2f"), _triple(s.get("itl_ms"), ".2f"),
                 _num(s.get("output_tokens_per_s")), _num(p.get("output_tokens_per_s")),
                 _num(level.get("ratio_output_tokens_per_s"), ".2f", "×"),
                 commit_cell(env), versions_cell(env), f"`{path.name}`",
             ])
         if res.get("grpc_ttft_overhead_ms_c1") is not None:
-            notes.append(f"- {model_cell(data)} on {device_cell(env)}: frontend + gRPC TTFT overhead at "
+            notes.append(f"- {model_cell(data)} on {device_cell(env)}, transport {transport_of(data)}: "
+                         f"frontend + gRPC TTFT overhead at "
                          f"concurrency 1 = {res['grpc_ttft_overhead_ms_c1']:.2f} ms (served p50 − in-process p50)")
     return rows, notes
 

@@ -61,6 +61,7 @@ class ServeOptions:
     tokenizer: str | None = None
     in_process: bool = True
     warmup_requests: int = 8
+    engine_transport: str = "stream"  # frontend-engine transport of the served side
 
     def level_sizes(self) -> list[int]:
         if self.requests_per_level is not None:
@@ -311,7 +312,8 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
             res["tokenizer"] = "word-level stand-in (token i <-> 't<i>') covering the model's vocabulary"
         else:
             res["tokenizer"] = tokenizer
-        _served_levels(record, engine_flags + ["--tokenizer", tokenizer], slices, warm, options, deadline,
+        _served_levels(record, engine_flags + ["--tokenizer", tokenizer, "--engine-transport", options.engine_transport],
+                       slices, warm, options, deadline,
                        log_dir or tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

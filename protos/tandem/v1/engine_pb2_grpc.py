@@ -50,6 +50,16 @@ class EngineStub:
                 request_serializer=tandem_dot_v1_dot_common__pb2.UtilityRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.UtilityResponse.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/tandem.v1.Engine/Subscribe',
+                request_serializer=tandem_dot_v1_dot_engine__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_engine__pb2.EngineBatch.FromString,
+                _registered_method=True)
+        self.Submit = channel.unary_unary(
+                '/tandem.v1.Engine/Submit',
+                request_serializer=tandem_dot_v1_dot_engine__pb2.EngineRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_engine__pb2.SubmitResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -76,6 +86,22 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Subscribe(self, request, context):
+        """Multiplexed transport: a frontend opens one Subscribe stream per engine and receives every
+        step's deltas for all of its requests in one message; it admits requests with Submit
+        (EngineRequest.channel_id names the subscription) and ends them with Utility ABORT. When the
+        subscription closes, every request submitted on it is aborted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Submit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +119,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Utility,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.UtilityRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.UtilityResponse.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=tandem_dot_v1_dot_engine__pb2.SubscribeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_engine__pb2.EngineBatch.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=tandem_dot_v1_dot_engine__pb2.EngineRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_engine__pb2.SubmitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +212,60 @@ class Engine:
             '/tandem.v1.Engine/Utility',
             tandem_dot_v1_dot_common__pb2.UtilityRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.UtilityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Engine/Subscribe',
+            tandem_dot_v1_dot_engine__pb2.SubscribeRequest.SerializeToString,
+            tandem_dot_v1_dot_engine__pb2.EngineBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Engine/Submit',
+            tandem_dot_v1_dot_engine__pb2.EngineRequest.SerializeToString,
+            tandem_dot_v1_dot_engine__pb2.SubmitResponse.FromString,
             options,
             channel_credentials,
             insecure,
