@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's measurements: install the carried wheels (see bench/results/README.md), then
 # run the named part(s) with a time bound each. Results land in $OUT (or ./gpu-out).
-# Usage on the GPU machine: bash bench/run_gpu.sh parity roofline | throughput serve
+# Usage on the GPU machine: bash bench/run_gpu.sh parity roofline serve-mux | throughput serve
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -17,6 +17,7 @@ for part in "$@"; do
     roofline) timeout 200 $PY -m tandem.cli bench roofline --model dummy:qwen3-8b --max-model-len 8192 --max-seconds 180 --out "$OUT" ;;
     throughput) timeout 230 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload nanovllm --peer-num-prompts 64 --max-seconds 210 --out "$OUT" ;;
     serve) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --max-seconds 200 --out "$OUT" ;;
+    serve-mux) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --max-seconds 200 --out "$OUT" ;;
   esac
   echo "=== $part exit $?"
 done 2>&1 | tee -a "$OUT/run.log"
