@@ -117,6 +117,16 @@ def add_bench_parser(sub: Any) -> None:
                    help="frontend-engine transport of the served side")
     srv.set_defaults(fn=cmd_bench, bench_fn=_serve)
 
+    ovh = bsub.add_parser("overhead", help="host (CPU) time per engine step at N running sequences, model-free")
+    _common(ovh, "host-only", 300.0)
+    g = ovh.add_argument_group("overhead")
+    g.add_argument("--batches", type=_ints, default=[64, 256], help="running sequences, comma-separated")
+    g.add_argument("--context", type=int, default=1024, help="tokens per sequence when timing starts")
+    g.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
+    g.add_argument("--gpu-step-ms", type=float, default=None,
+                   help="anchor: a GPU step time at the same batch (e.g. from the roofline), for the ratio")
+    ovh.set_defaults(fn=cmd_bench, bench_fn=_overhead)
+
     rep = bsub.add_parser("report", help="write docs/benchmarks.md and its plot from bench/results/*.json")
     rep.add_argument("--results-dir", default=DEFAULT_RESULTS_DIR)
     rep.add_argument("--markdown", default="docs/benchmarks.md")
@@ -210,6 +220,14 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         warmup_requests=args.warmup_requests, engine_transport=args.engine_transport)
     serve.run_serve(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
     return serve.short_table
+
+
+def _overhead(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import overhead
+
+    overhead.run_overhead(record, tandem_cli._engine_config(args), args.batches, args.context, args.steps,
+                          args.gpu_step_ms)
+    return overhead.short_table
 
 
 def cmd_report(args: argparse.Namespace) -> int:

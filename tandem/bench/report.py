@@ -213,8 +213,21 @@ def _headline(data: dict[str, Any]) -> str:
     if kind == "throughput":
         r = res.get("ratio", {}).get("output_tokens_per_s")
         return f"{_num(res.get('ours', {}).get('output_tokens_per_s'))} out tok/s, ratio {_num(r, '.2f', '×')}"
+    if kind == "overhead":
+        return f"{len(res.get('points', []))} batch sizes"
     levels = [lv for lv in res.get("levels", []) if lv.get("served", {}).get("output_tokens_per_s")]
     return f"{len(levels)} levels"
+
+
+def overhead_rows(records: list[Record]) -> list[list[Any]]:
+    rows = []
+    for path, data in latest_per_key(records, "overhead"):
+        env = data.get("env", {})
+        for p in data.get("results", {}).get("points", []):
+            rows.append([device_cell(env), p.get("num_seqs"), p.get("context"), _num(p.get("host_ms_median"), ".2f"),
+                         _num(p.get("host_ms_p90"), ".2f"), _num(p.get("gpu_step_ms_anchor"), ".2f"),
+                         _num(p.get("host_over_gpu"), ".2f", "×"), commit_cell(env), f"`{path.name}`"])
+    return rows
 
 
 def history_rows(records: list[Record]) -> list[list[Any]]:
@@ -319,6 +332,12 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
                      "served ÷ in-process", "commit", "versions", "result"], rows)
     if notes:
         lines += [*notes, ""]
+    lines += ["## Host overhead per engine step", "",
+              "Host (CPU) time of `LLMEngine.step()` with a model-free runner (`tandem bench overhead`): "
+              "scheduling, host input preparation, token readback, stop checks and bookkeeping; the "
+              "anchor is a GPU decode step at the same batch from the roofline table.", ""]
+    lines += _table(["host", "running seqs", "context", "host ms p50", "host ms p90", "GPU step ms (anchor)",
+                     "host ÷ GPU step", "commit", "result"], overhead_rows(records))
     lines += ["## History", ""]
     lines += _table(["result", "kind", "model", "device", "commit", "timestamp (UTC)", "complete", "headline"],
                     history_rows(records))

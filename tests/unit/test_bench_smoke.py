@@ -271,7 +271,9 @@ def test_report_tables_carry_device_commit_workload_and_ratio(tmp_path):
     out = build_report(results, md, png)
     assert out["results"] == 3
     text = md.read_text()
-    assert "not measured yet" not in text
+    # Only the host-overhead table (no such result here) is empty.
+    assert text.count("not measured yet") == 1
+    assert text.index("not measured yet") > text.index("## Host overhead per engine step")
     rows = [line for line in text.splitlines() if line.startswith("| `dummy:")]
 
     def row_with(*needles: str) -> str:
@@ -298,7 +300,7 @@ def test_report_without_results_says_not_measured(tmp_path):
     out = build_report(tmp_path / "missing", md, png)
     text = md.read_text()
     assert out == {"markdown": str(md), "plot": None, "results": 0}
-    assert text.count("not measured yet") == 5  # four tables and the history
+    assert text.count("not measured yet") == 6  # five tables and the history
     assert not png.exists() and ".png" not in text
 
 
@@ -333,3 +335,13 @@ def test_failures_and_time_limits_are_recorded_not_fatal(tmp_path, one_torch_thr
     done = run_engine(engine, requests, concurrency=2, id_prefix="again")
     assert not done.timed_out and len(done.completed) == 3
     assert sum(t.output_tokens for t in done.requests) == sum(r.output_len for r in requests)
+
+
+def test_overhead_bench_times_decode_steps_with_every_sequence_running():
+    from tandem.bench.overhead import measure_step_overhead
+    from tandem.engine_service.config import EngineConfig
+
+    point = measure_step_overhead(EngineConfig.default(model="host-only"), num_seqs=12, context=40, steps=5)
+    assert point["running_during_timing"] == 12  # every sequence was decoding while timed
+    assert point["steps_timed"] == 5
+    assert 0 < point["host_ms_min"] <= point["host_ms_median"] <= point["host_ms_p90"]
