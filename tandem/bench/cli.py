@@ -120,11 +120,11 @@ def add_bench_parser(sub: Any) -> None:
     ovh = bsub.add_parser("overhead", help="host (CPU) time per engine step at N running sequences, model-free")
     _common(ovh, "host-only", 300.0)
     g = ovh.add_argument_group("overhead")
-    g.add_argument("--batches", type=_ints, default=[64, 256], help="running sequences, comma-separated")
+    g.add_argument("--batches", type=_ints, default=[256], help="running sequences, comma-separated")
     g.add_argument("--context", type=int, default=1024, help="tokens per sequence when timing starts")
     g.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
     g.add_argument("--gpu-step-ms", type=float, default=None,
-                   help="anchor: a GPU step time at the same batch (e.g. from the roofline), for the ratio")
+                   help="anchor: a GPU step time at the same batch (e.g. the roofline decode step); with several --batches it applies to each, so time one batch size per anchor")
     ovh.set_defaults(fn=cmd_bench, bench_fn=_overhead)
 
     rep = bsub.add_parser("report", help="write docs/benchmarks.md and its plot from bench/results/*.json")
