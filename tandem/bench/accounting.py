@@ -15,72 +15,38 @@ These are the roofline's denominators, written down before anything is timed:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine_service.models.llama import DecoderConfig
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The hyperparameters the counts depend on."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
+def shape_from_hf_config(hf: Mapping[str, Any]) -> DecoderConfig:
+    """The engine's own `DecoderConfig` for a Hugging Face `config.json` dict: the counts read
+    exactly the hyperparameters the model code was built from."""
+    from tandem.engine_service.models.registry import get_model_class
 
-    @classmethod
-    def from_decoder_config(cls, cfg: Any) -> ModelShape:
-        """From the engine's `DecoderConfig` (what the model code was built from)."""
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            tie_word_embeddings=cfg.tie_word_embeddings,
-            qkv_bias=cfg.qkv_bias,
-            o_bias=cfg.o_bias,
-            mlp_bias=cfg.mlp_bias,
-            qk_norm=cfg.qk_norm,
-        )
-
-    @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelShape:
-        """From a Hugging Face `config.json` dict, read the way the engine's model class reads it."""
-        from tandem.engine_service.models.registry import get_model_class
-
-        return cls.from_decoder_config(get_model_class(hf).config_from_hf(hf))
+    return get_model_class(hf).config_from_hf(hf)
 
 
 # -- parameters ----------------------------------------------------------------------------------
 
 
-def layer_matmul_params(s: ModelShape) -> int:
+def layer_matmul_params(s: DecoderConfig) -> int:
     """Weights of one decoder layer that take part in matmuls (q, k, v, o, gate, up, down)."""
-    q = s.hidden_size * s.num_heads * s.head_dim
-    kv = 2 * s.hidden_size * s.num_kv_heads * s.head_dim
-    o = s.num_heads * s.head_dim * s.hidden_size
+    q = s.hidden_size * s.num_attention_heads * s.head_dim
+    kv = 2 * s.hidden_size * s.num_key_value_heads * s.head_dim
+    o = s.num_attention_heads * s.head_dim * s.hidden_size
     mlp = 3 * s.hidden_size * s.intermediate_size
     return q + kv + o + mlp
 
 
-def layer_other_params(s: ModelShape) -> int:
+def layer_other_params(s: DecoderConfig) -> int:
     """Norm scales and biases of one decoder layer."""
     n = 2 * s.hidden_size  # input and post-attention RMSNorm
     if s.qk_norm:
         n += 2 * s.head_dim
     if s.qkv_bias:
-        n += (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        n += (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim
     if s.o_bias:
         n += s.hidden_size
     if s.mlp_bias:
@@ -88,13 +54,13 @@ def layer_other_params(s: ModelShape) -> int:
     return n
 
 
-def embedding_params(s: ModelShape) -> int:
+def embedding_params(s: DecoderConfig) -> int:
     return s.vocab_size * s.hidden_size
 
 
-def total_params(s: ModelShape) -> int:
+def total_params(s: DecoderConfig) -> int:
     """Every parameter once (a tied LM head is the embedding, not a second matrix)."""
-    layers = s.num_layers * (layer_matmul_params(s) + layer_other_params(s))
+    layers = s.num_hidden_layers * (layer_matmul_params(s) + layer_other_params(s))
     head = 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size
     return embedding_params(s) + layers + s.hidden_size + head  # + final norm
 
@@ -102,20 +68,20 @@ def total_params(s: ModelShape) -> int:
 # -- decode --------------------------------------------------------------------------------------
 
 
-def decode_weight_bytes(s: ModelShape, batch: int, dtype_bytes: int) -> int:
+def decode_weight_bytes(s: DecoderConfig, batch: int, dtype_bytes: int) -> int:
     """Weight bytes one decode step of `batch` sequences reads from memory."""
-    layers = s.num_layers * (layer_matmul_params(s) + layer_other_params(s))
+    layers = s.num_hidden_layers * (layer_matmul_params(s) + layer_other_params(s))
     head = s.vocab_size * s.hidden_size  # the LM head is read in full (tied or not)
     embedding_rows = 0 if s.tie_word_embeddings else batch * s.hidden_size  # tied: inside the head
     return (layers + s.hidden_size + head + embedding_rows) * dtype_bytes
 
 
-def kv_bytes_per_token(s: ModelShape, dtype_bytes: int) -> int:
+def kv_bytes_per_token(s: DecoderConfig, dtype_bytes: int) -> int:
     """K and V of one token across all layers."""
-    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * dtype_bytes
+    return 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim * dtype_bytes
 
 
-def decode_kv_bytes(s: ModelShape, batch: int, context: int, dtype_bytes: int) -> int:
+def decode_kv_bytes(s: DecoderConfig, batch: int, context: int, dtype_bytes: int) -> int:
     """KV bytes one decode step reads: every sequence's `context` tokens (the new one included)."""
     return batch * context * kv_bytes_per_token(s, dtype_bytes)
 
@@ -130,13 +96,13 @@ def decode_floor_s(weight_bytes: int, kv_bytes: int, bandwidth_bytes_per_s: floa
 # -- prefill -------------------------------------------------------------------------------------
 
 
-def causal_attention_flops(s: ModelShape, seq_len: int) -> int:
+def causal_attention_flops(s: DecoderConfig, seq_len: int) -> int:
     """`QK^T` + `PV` of one length-L sequence over its causal pairs, all layers (2 FLOPs per MAC)."""
     pairs = seq_len * (seq_len + 1) // 2
-    return s.num_layers * 2 * (2 * s.num_heads * s.head_dim * pairs)
+    return s.num_hidden_layers * 2 * (2 * s.num_attention_heads * s.head_dim * pairs)
 
 
-def prefill_flops(s: ModelShape, seq_lens: Iterable[int], num_sampled: int | None = None) -> dict[str, int]:
+def prefill_flops(s: DecoderConfig, seq_lens: Iterable[int], num_sampled: int | None = None) -> dict[str, int]:
     """FLOPs of one prefill step over fresh sequences of `seq_lens` tokens.
 
     `num_sampled` sequences get LM-head logits (default: all of them, one row each).
@@ -144,7 +110,7 @@ def prefill_flops(s: ModelShape, seq_lens: Iterable[int], num_sampled: int | Non
     lens = [int(n) for n in seq_lens]
     tokens = sum(lens)
     sampled = len(lens) if num_sampled is None else num_sampled
-    linear = 2 * s.num_layers * layer_matmul_params(s) * tokens
+    linear = 2 * s.num_hidden_layers * layer_matmul_params(s) * tokens
     head = 2 * s.vocab_size * s.hidden_size * sampled
     attention = sum(causal_attention_flops(s, n) for n in lens)
     return {"linear": linear, "lm_head": head, "attention": attention, "total": linear + head + attention,

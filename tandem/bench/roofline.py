@@ -29,7 +29,7 @@ import structlog
 import torch
 
 from tandem.bench.accounting import (
-    ModelShape,
+    shape_from_hf_config,
     decode_floor_s,
     decode_kv_bytes,
     decode_weight_bytes,
@@ -39,6 +39,7 @@ from tandem.bench.accounting import (
 )
 from tandem.bench.results import BenchRecord, Deadline
 from tandem.bench.timing import cuda_time, require_cuda
+from tandem.engine_service.models.llama import DecoderConfig
 
 log = structlog.get_logger(__name__)
 
@@ -228,7 +229,7 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def plan_num_blocks(shape: ModelShape, dtype_bytes: int, block_size: int, options: RooflineOptions,
+def plan_num_blocks(shape: DecoderConfig, dtype_bytes: int, block_size: int, options: RooflineOptions,
                     free_bytes: int, max_model_len: int) -> dict[str, int]:
     """KV blocks to allocate: enough for the largest point, at most what memory allows."""
     per_block = kv_bytes_per_token(shape, dtype_bytes) * block_size
@@ -263,7 +264,7 @@ def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptio
     matmul_rate = res.get("matmul", {}).get("flops_per_s")
 
     resolved = resolve_model(engine_config.model.model, engine_config.model.cache_dir)
-    shape = ModelShape.from_hf_config(resolved.config)
+    shape = shape_from_hf_config(resolved.config)
     dtype_name = engine_config.model.dtype
     dtype = {"float32": torch.float32, "float16": torch.float16}.get(dtype_name, torch.bfloat16)
     dtype_bytes = _dtype_bytes(dtype)
@@ -323,7 +324,7 @@ def _point_base(**kw: Any) -> dict[str, Any]:
     return {"status": "ok", **kw}
 
 
-def _decode_point(runner: Any, shape: ModelShape, dtype_bytes: int, batch: int, context: int,
+def _decode_point(runner: Any, shape: DecoderConfig, dtype_bytes: int, batch: int, context: int,
                   bandwidth: float | None, options: RooflineOptions, deadline: Deadline, rng: np.random.Generator,
                   max_len: int, record: BenchRecord) -> dict[str, Any]:
     weight_bytes = decode_weight_bytes(shape, batch, dtype_bytes)
@@ -370,7 +371,7 @@ def _decode_point(runner: Any, shape: ModelShape, dtype_bytes: int, batch: int, 
     return point
 
 
-def _prefill_point(runner: Any, shape: ModelShape, num_seqs: int, seq_len: int, matmul_rate: float | None,
+def _prefill_point(runner: Any, shape: DecoderConfig, num_seqs: int, seq_len: int, matmul_rate: float | None,
                    options: RooflineOptions, deadline: Deadline, rng: np.random.Generator, max_len: int,
                    record: BenchRecord) -> dict[str, Any]:
     flops = prefill_flops(shape, [seq_len] * num_seqs)

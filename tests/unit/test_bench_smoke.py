@@ -82,7 +82,7 @@ def test_qwen3_8b_decode_bytes_match_the_hand_count_and_the_guide():
     # plus one embedding row per sequence (the table itself is not read at decode).
     per_layer = 2 * h * heads * hd + 2 * h * kv_heads * hd + 3 * h * inter + 2 * h + 2 * hd
     expected_b1 = 2 * (layers * per_layer + h + vocab * h + 1 * h)
-    shape = accounting.ModelShape.from_hf_config(cfg)
+    shape = accounting.shape_from_hf_config(cfg)
     assert accounting.decode_weight_bytes(shape, 1, 2) == expected_b1
     assert abs(expected_b1 / 1e9 - 15.1) < 0.1  # the guide's "≈15.1 GB of weights"
     assert accounting.decode_weight_bytes(shape, 256, 2) == expected_b1 + 2 * 255 * h
@@ -103,7 +103,7 @@ def test_prefill_flops_and_param_count_against_independent_counts():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = get_dummy_config("qwen3-8b")
-    shape = accounting.ModelShape.from_hf_config(cfg)
+    shape = accounting.shape_from_hf_config(cfg)
     h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     matmul = 2 * h * heads * hd + 2 * h * kv_heads * hd + 3 * h * inter
