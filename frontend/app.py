@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,6 +45,7 @@ class FrontendOptions:
     metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
     reflection: bool = False  # serve grpc.reflection
     engine_transport: str = "stream"  # "stream" (a call per choice) or "mux" (one stream per engine)
+    listen_when_ready: bool = False  # extra workers on a shared port listen only once ready
 
 
 async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> RequestBuilder:
@@ -65,7 +67,10 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> R
     return RequestBuilder(tokenizer, limits, name, aliases=(str(path),))
 
 
-async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None = None) -> int:
+async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None = None,
+                         on_stop: Callable[[], None] | None = None) -> int:
+    """Serves until SIGTERM/SIGINT, then drains; `on_stop` runs when the signal arrives (it
+    lets extra frontend workers start draining at the same moment)."""
     server = grpc.aio.server(
         interceptors=options.security.server_interceptors(),
         options=[
@@ -90,6 +95,10 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     add_service(server, servicer, frontend_pb2.DESCRIPTOR.services_by_name["Frontend"])
     if options.reflection:
         enable_reflection(server, [frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name])
+    if options.listen_when_ready:
+        # An extra worker on a shared port: the kernel would hand it connections at once, so it
+        # listens only once it can serve (the first worker answers health meanwhile).
+        servicer.attach(await build_request_builder(options, pool))
     bound = add_port(server, f"{options.host}:{options.port}", options.security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {options.host}:{options.port}")
@@ -98,7 +107,8 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
              **options.security.summary("server"), engine_link=engine_security.summary("client"))
     options.security.warn_if_weak("server", options.host)
     engine_security.warn_if_weak("client", options.engines[0].rsplit(":", 1)[0])
-    servicer.attach(await build_request_builder(options, pool))
+    if servicer.builder is None:
+        servicer.attach(await build_request_builder(options, pool))
     pool.start_monitor()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("frontend_ready")
@@ -113,6 +123,8 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
         except (NotImplementedError, RuntimeError):
             pass
     await stop.wait()
+    if on_stop is not None:
+        on_stop()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer.accepting = False
     deadline = loop.time() + options.drain_timeout
@@ -127,5 +139,5 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     return 0
 
 
-def run_frontend(options: FrontendOptions) -> int:
-    return asyncio.run(serve_frontend(options))
+def run_frontend(options: FrontendOptions, on_stop: Callable[[], None] | None = None) -> int:
+    return asyncio.run(serve_frontend(options, on_stop=on_stop))

@@ -8,6 +8,7 @@ strings per choice, and end every engine stream when the client's call ends for 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             ready = self.builder is not None and self.accepting and self.pool.any_healthy
             result = {
                 "status": "SERVING" if ready else "NOT_SERVING",
+                "pid": os.getpid(),  # which frontend worker answered
                 "in_flight": len(self.ids),
                 "engines": {r.address: r.healthy for r in self.pool.replicas},
             }

@@ -123,20 +123,22 @@ def cmd_engine(args) -> int:
 
 
 def cmd_frontend(args) -> int:
-    from tandem.frontend.app import FrontendOptions, run_frontend
+    from tandem.frontend.app import FrontendOptions
+    from tandem.frontend.workers import run_frontend_workers
 
-    return run_frontend(FrontendOptions(host=args.host, port=args.port, engines=args.engine,
+    return run_frontend_workers(FrontendOptions(host=args.host, port=args.port, engines=args.engine,
                                         tokenizer_path=args.tokenizer, served_model_name=args.served_model_name,
                                         default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
                                         security=_security(args), engine_security=_security(args, "engine-"),
                                         reflection=args.enable_reflection, engine_transport=args.engine_transport,
-                                        **_metrics_options(args)))
+                                        **_metrics_options(args)),
+                                args.workers, args.log_level, args.log_format == "json")
 
 
 def cmd_serve(args) -> int:
     """Engine in a child process, frontend in this one; either ending ends both."""
-    from tandem.frontend.app import FrontendOptions, run_frontend
-
+    from tandem.frontend.app import FrontendOptions
+    from tandem.frontend.workers import run_frontend_workers
     from tandem.security import engine_child_security
 
     engine_addr = f"{args.engine_host}:{args.engine_port}"
@@ -173,12 +175,14 @@ def cmd_serve(args) -> int:
         signal.signal(sig, stop_during_startup)
     threading.Thread(target=watch_engine, name="engine-watch", daemon=True).start()
     try:
-        rc = run_frontend(FrontendOptions(host=args.host, port=args.port, engines=[engine_addr],
-                                          served_model_name=args.served_model_name, tokenizer_path=args.tokenizer,
-                                          default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
-                                          security=security, engine_security=engine_security,
-                                          reflection=args.enable_reflection, engine_transport=args.engine_transport,
-                                        **_metrics_options(args)))
+        rc = run_frontend_workers(
+            FrontendOptions(host=args.host, port=args.port, engines=[engine_addr],
+                            served_model_name=args.served_model_name, tokenizer_path=args.tokenizer,
+                            default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
+                            security=security, engine_security=engine_security,
+                            reflection=args.enable_reflection, engine_transport=args.engine_transport,
+                            **_metrics_options(args)),
+            args.frontend_workers, args.log_level, args.log_format == "json")
     finally:
         stopping.set()
         if child.poll() is None:
@@ -267,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="engine + frontend together")
+    serve.add_argument("--frontend-workers", type=int, default=1,
+                        help="frontend processes sharing the port (SO_REUSEPORT); metrics ports count up from --metrics-port")
     serve.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
                         help="frontend-engine transport: a Stream call per choice, or one multiplexed stream per engine")
     serve.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
@@ -296,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(fn=cmd_engine)
 
     front = sub.add_parser("frontend", help="the frontend alone, in front of one or more engines")
+    front.add_argument("--workers", type=int, default=1,
+                        help="frontend processes sharing the port (SO_REUSEPORT); metrics ports count up from --metrics-port")
     front.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
                         help="frontend-engine transport: a Stream call per choice, or one multiplexed stream per engine")
     front.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
