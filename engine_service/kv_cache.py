@@ -187,6 +187,9 @@ class BlockManager:
         With an empty block table, prefix hits are taken first and `num_computed_tokens` is
         reset to the hit count. Returns False, changing nothing, if the pool is too small.
         """
+        table = seq.block_table
+        if table and num_new_tokens >= 0 and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return True  # the common decode step: the last block still has room
         plan = self._plan(seq, num_new_tokens)
         # Checking up front makes failure side-effect free: nothing to roll back.
         if plan.blocks_taken_from_pool > self.num_free_blocks:
