@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import os
+
+# CI has no GPU: Triton kernels run under the interpreter. Triton reads this when it is first
+# imported, so it is set here, before any test module can import it (scripts/test.sh sets it too).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 import signal
 import socket
 import subprocess
