@@ -16,7 +16,6 @@ One step, as driven by the engine:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -215,12 +214,8 @@ class Scheduler:
             "request_cannot_run", request_id=seq.request_id, reason=reason, num_tokens=seq.num_tokens
         )
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int] | None = None) -> None:
-        """Account for a finished step; the engine has already appended tokens and checked stops.
-
-        `sampled` (request id -> token id) is accepted for interface compatibility; the tokens
-        are read from the sequences themselves.
-        """
+    def update(self, output: SchedulerOutput) -> None:
+        """Account for a finished step; the engine has already appended tokens and checked stops."""
         bm = self.block_manager
         for item in output.scheduled:
             seq = item.seq

@@ -12,7 +12,6 @@ import time
 
 import grpc
 import structlog
-from google.protobuf import json_format, struct_pb2
 
 from tandem.engine_service.async_engine import (
     AsyncEngine,
@@ -31,6 +30,7 @@ from tandem.protocol import (
     Limits,
     check_prompt_token_ids,
     sampling_from_proto,
+    to_struct,
 )
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -199,7 +199,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         cmd = request.command
         C = common_pb2
         if cmd == C.UTILITY_COMMAND_HEALTH and self.engine is None:
-            return common_pb2.UtilityResponse(command=cmd, result=_struct({"status": "NOT_SERVING", "loading": True}))
+            return common_pb2.UtilityResponse(command=cmd, result=to_struct({"status": "NOT_SERVING", "loading": True}))
         await self._require_engine(context)
         if cmd == C.UTILITY_COMMAND_HEALTH:
             ok = self.engine.alive and self.engine.accepting
@@ -224,7 +224,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "profiling is not enabled on this engine")
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"command: unknown utility command {cmd}")
-        return common_pb2.UtilityResponse(command=cmd, result=_struct(result))
+        return common_pb2.UtilityResponse(command=cmd, result=to_struct(result))
 
     # -- responses -----------------------------------------------------------------------------------
     def _response(self, request, outputs: list[StepOutput], first: bool) -> engine_pb2.EngineResponse:
@@ -293,9 +293,3 @@ def _timings(o: StepOutput) -> common_pb2.Timings:
         if o.num_output_tokens > 1:
             t.tpot = (now - o.first_token_time) / (o.num_output_tokens - 1)
     return t
-
-
-def _struct(d: dict) -> struct_pb2.Struct:
-    s = struct_pb2.Struct()
-    json_format.ParseDict(d, s)
-    return s

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
-from google.protobuf import json_format, struct_pb2
 
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.engine_pool import EnginePool, EngineReplica, NoEngineAvailable
@@ -24,7 +23,7 @@ from tandem.frontend.observe import RequestObservation
 from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.request_ids import DuplicateRequestId, RequestIdMap
 from tandem.grpc_service import reject_malformed
-from tandem.protocol import InvalidRequest
+from tandem.protocol import InvalidRequest, to_struct
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -128,9 +127,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "profiling is not enabled")
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"command: unknown utility command {cmd}")
-        s = struct_pb2.Struct()
-        json_format.ParseDict(result, s)
-        return common_pb2.UtilityResponse(command=cmd, result=s)
+        return common_pb2.UtilityResponse(command=cmd, result=to_struct(result))
 
     # -- the request path ------------------------------------------------------------------------------
     async def _run(self, request, context, stream: bool, obs: RequestObservation):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from google.protobuf import json_format, struct_pb2
+
 from tandem.engine_service.sequence import FinishReason, SamplingParams
 from tandem.v1 import common_pb2
 
@@ -155,3 +157,10 @@ FINISH_TO_PROTO = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
+
+
+def to_struct(data: dict) -> struct_pb2.Struct:
+    """A JSON-like dict as the `google.protobuf.Struct` the Utility responses carry."""
+    out = struct_pb2.Struct()
+    json_format.ParseDict(data, out)
+    return out

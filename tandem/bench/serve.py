@@ -322,6 +322,17 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
     _compare(res)
 
 
+def _levels_within_budget(record: BenchRecord, levels: list[dict[str, Any]], slices: list[list[BenchRequest]],
+                          side: str, deadline: Deadline):
+    """Yields (level, its requests, concurrency) while time is left; marks the rest skipped."""
+    for level, requests in zip(levels, slices):
+        if deadline.remaining() < 1.0:
+            level[side] = {"status": "skipped", "reason": "time budget (--max-seconds) spent"}
+            record.incomplete = True
+            continue
+        yield level, requests, level["concurrency"]
+
+
 def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list[BenchRequest]],
                    warm: list[BenchRequest], options: ServeOptions, deadline: Deadline, log_dir: Path) -> None:
     res = record.results
@@ -342,12 +353,7 @@ def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list
             w = run_level(server.address, warm, min(len(warm), 8), deadline.sub(seconds=options.level_seconds).remaining(),
                           prefix="warmup")
             res["server"]["warmup"] = {"seconds": round(time.perf_counter() - t0, 3), "completed": w["completed"]}
-        for level, requests in zip(levels, slices):
-            c = level["concurrency"]
-            if deadline.remaining() < 1.0:
-                level["served"] = {"status": "skipped", "reason": "time budget (--max-seconds) spent"}
-                record.incomplete = True
-                continue
+        for level, requests, c in _levels_within_budget(record, levels, slices, "served", deadline):
             with record.stage(f"serve_c{c}"):
                 budget = deadline.sub(seconds=options.level_seconds, fraction=0.5 if options.in_process else None)
                 level["served"] = run_level(server.address, requests, c, budget.remaining(), prefix=f"c{c}")
@@ -377,12 +383,7 @@ def _in_process_levels(record: BenchRecord, engine_config: Any, slices: list[lis
     if engine is None:
         return
     try:
-        for level, requests in zip(res["levels"], slices):
-            c = level["concurrency"]
-            if deadline.remaining() < 1.0:
-                level["in_process"] = {"status": "skipped", "reason": "time budget (--max-seconds) spent"}
-                record.incomplete = True
-                continue
+        for level, requests, c in _levels_within_budget(record, res["levels"], slices, "in_process", deadline):
             with record.stage(f"in_process_c{c}"):
                 reset_prefix_cache(engine)
                 run = run_engine(engine, requests, concurrency=c, deadline=deadline.sub(seconds=options.level_seconds),
