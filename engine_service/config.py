@@ -14,8 +14,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int = 1024  # bounded waiting queue (requests)
     max_waiting_tokens: int = 1 << 20  # bounded waiting queue (prompt tokens)
+    # Overlapped scheduling: build and launch step N+1 while step N runs on the device.
+    # "auto": on for CUDA devices, off on CPU (where the forward runs on the host anyway).
+    overlap_scheduling: str = "auto"
 
     def validate(self) -> None:
+        if self.overlap_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_scheduling must be auto, on or off, got {self.overlap_scheduling!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:

@@ -26,7 +26,7 @@ import structlog
 import torch
 from torch import nn
 
-from tandem.engine_service.input_batch import HostInputs, PinnedStaging
+from tandem.engine_service.input_batch import HostInputs, PinnedStaging, arrays_to_device, fill_pending_tokens
 from tandem.engine_service.layers.attention import AttentionMetadata
 from tandem.kernels._utils import num_compute_units
 from tandem.kernels.paged_attention import choose_num_splits
@@ -214,17 +214,24 @@ class DecodeCudaGraphs:
             return False
         return host.num_seqs <= self.captured_sizes[-1] and host.block_tables.shape[1] <= self.max_blocks_per_seq
 
-    def run(self, host: HostInputs, staging: PinnedStaging) -> torch.Tensor:
-        """Copy the padded step into the fixed buffers, replay, return the sampling rows' logits."""
+    def run(
+        self, host: HostInputs, staging: PinnedStaging | None, previous_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Copy the padded step into the fixed buffers (pending tokens from `previous_tokens`),
+        replay, return the sampling rows' logits."""
         bucket = bucket_for(host.num_seqs, self.captured_sizes)
         if bucket is None or not self.can_run(host):
             raise ValueError(f"no captured graph runs this step ({host.num_seqs} sequences)")
         padded = pad_decode_inputs(host, bucket, self.scratch_block, self.block_size)
-        ids, pos, slots, lens, tables, rows = staging.to_device([
+        arrays = [
             padded.input_ids, padded.positions, padded.slot_mapping, padded.seq_lens,
             padded.block_tables, host.logits_indices,
-        ])
+        ]
+        if host.pending_dst.size:
+            arrays += [host.pending_dst, host.pending_src]
+        ids, pos, slots, lens, tables, rows, *pending = arrays_to_device(arrays, self.device, staging)
         self.input_ids[:bucket].copy_(ids)
+        fill_pending_tokens(self.input_ids, *(pending or (None, None)), previous_tokens)
         self.positions[:bucket].copy_(pos)
         self.slot_mapping[:bucket].copy_(slots)
         self.seq_lens[:bucket].copy_(lens)

@@ -1,8 +1,15 @@
 """The engine loop body: one `step()` schedules, runs the model, samples and reports deltas.
 
-`LLMEngine` is synchronous and single-threaded on purpose: the scheduler, block manager and
-sequences are touched only by the thread that calls `step()`. `AsyncEngine` (async_engine.py)
-owns that thread and talks to the gRPC server.
+`LLMEngine` is single-threaded on purpose: the scheduler, block manager and sequences are
+touched only by the thread that calls `step()`. `AsyncEngine` (async_engine.py) owns that thread
+and talks to the gRPC server.
+
+Overlapped scheduling (on by default on CUDA): `step()` schedules and launches step N — its
+decode inputs read step N-1's sampled tokens on the device — and only then waits for step N-1's
+tokens, appends them, checks stops and reports them. The host's scheduling, input building and
+output handling so run while the device computes. Steps whose sampling needs every earlier
+token on the host (repetition/presence/frequency penalties) first finish the step in flight.
+Without overlap, `step()` launches step N and finishes it before returning.
 """
 
 from __future__ import annotations
@@ -15,8 +22,8 @@ import structlog
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.kv_cache import BlockManager
 from tandem.engine_service.model_runner import ModelRunner
-from tandem.engine_service.sampler import Sampler, TokenLogprobs
-from tandem.engine_service.scheduler import Scheduler
+from tandem.engine_service.sampler import PendingSample, Sampler, TokenLogprobs
+from tandem.engine_service.scheduler import Scheduler, SchedulerOutput
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence
 from tandem.engine_service.stopping import check_stop
 
@@ -53,6 +60,21 @@ class EngineCounters:
     aborted_requests: int = 0
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens are not yet on the host."""
+
+    plan: SchedulerOutput
+    sampling: list[Sequence]  # in sampled-token row order
+    sample: PendingSample | None
+
+
+def _needs_known_tokens(seq: Sequence) -> bool:
+    """Penalties count every earlier output token, so they cannot sample past a pending one."""
+    p = seq.params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 class LLMEngine:
     """Continuous batching over one model replica: admission, stepping, stopping, aborts."""
 
@@ -71,6 +93,9 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.runner.eos_token_ids)
         self.counters = EngineCounters()
         self._first_scheduled: dict[str, float] = {}
+        mode = config.scheduler.overlap_scheduling
+        self.overlap = mode == "on" or (mode == "auto" and self.runner.device.type == "cuda")
+        self._in_flight: LaunchedStep | None = None
 
     # -- capacity ----------------------------------------------------------------------------
     @property
@@ -98,40 +123,64 @@ class LLMEngine:
         return seq
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        out = self.scheduler.schedule()
+        """Schedule and launch one step; report the tokens of the step that completed (this one,
+        or with overlap the one launched by the previous call)."""
         outputs: dict[str, StepOutput] = {}
-        for seq in out.finished:  # ended by the scheduler itself (cannot ever fit)
+        plan = self.scheduler.schedule()
+        for seq in plan.finished:  # ended by the scheduler itself (cannot ever fit)
             outputs[seq.request_id] = self._output(seq)
-        if not out.scheduled:
-            self._forget_finished(outputs)
-            return list(outputs.values())
-
-        now = time.monotonic()
-        for item in out.scheduled:
-            self._first_scheduled.setdefault(item.seq.request_id, now)
-        logits = self.runner.execute(out.scheduled)
-        sampling = [item.seq for item in out.scheduled if item.sample]
-        if sampling:
-            sampled = self.sampler.sample(logits, sampling)
-            for seq, token_id, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
-                seq.append_token(token_id)
-                check_stop(seq, self.max_model_len)
-                o = outputs.setdefault(seq.request_id, self._output(seq))
-                o.new_token_ids.append(token_id)
-                o.new_logprobs.append(lp)
-            self.counters.generation_tokens += len(sampling)
-        self.scheduler.update(out)
-        self.counters.steps += 1
-        for seq in sampling:
-            if seq.is_finished:
-                o = outputs[seq.request_id]
-                self._fill_ending(o, seq)
+        previous, self._in_flight = self._in_flight, None
+        if plan.scheduled:
+            if previous is not None and any(_needs_known_tokens(item.seq) for item in plan.scheduled if item.sample):
+                self._finish(previous, outputs)
+                previous = None
+            launched = self._launch(plan, previous)
+            if self.overlap:
+                self._in_flight = launched
+            else:
+                self._finish(launched, outputs)
+        if previous is not None:
+            self._finish(previous, outputs)
         self._forget_finished(outputs)
         return list(outputs.values())
+
+    def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+        """Queue the model and the sampler for `plan` on the device; nothing waits for it."""
+        now = time.monotonic()
+        for item in plan.scheduled:
+            self._first_scheduled.setdefault(item.seq.request_id, now)
+        previous_tokens = previous.sample.token_ids if previous is not None and previous.sample is not None else None
+        logits = self.runner.execute(plan.scheduled, previous_tokens)
+        self.scheduler.begin_step(plan)
+        sampling = [item.seq for item in plan.scheduled if item.sample]
+        sample = None
+        if sampling:
+            sample = self.sampler.sample_async(logits, sampling)
+            for row, seq in enumerate(sampling):
+                seq.mark_pending(row)
+        self.counters.steps += 1
+        return LaunchedStep(plan, sampling, sample)
+
+    def _finish(self, step: LaunchedStep, outputs: dict[str, StepOutput]) -> None:
+        """Wait for `step`'s tokens; append them, check stops, fill `outputs`, release blocks."""
+        if step.sample is not None:
+            sampled = step.sample.result()
+            for seq, token_id, lp in zip(step.sampling, sampled.token_ids, sampled.logprobs):
+                if seq.is_finished:
+                    continue  # aborted, or ended by an earlier token while this one was computed
+                seq.confirm_token(token_id)
+                check_stop(seq, self.max_model_len)
+                o = outputs.get(seq.request_id) or outputs.setdefault(seq.request_id, self._output(seq))
+                o.new_token_ids.append(token_id)
+                o.new_logprobs.append(lp)
+                self.counters.generation_tokens += 1
+                if seq.is_finished:
+                    self._fill_ending(o, seq)
+        self.scheduler.end_step(step.plan)
 
     def _output(self, seq: Sequence) -> StepOutput:
         o = StepOutput(
@@ -181,4 +230,5 @@ class LLMEngine:
             "steps_total": self.counters.steps,
             "finished_requests_total": self.counters.finished_requests,
             "aborted_requests_total": self.counters.aborted_requests,
+            "overlap_scheduling": self.overlap,
         }

@@ -5,12 +5,18 @@ Python lists, so nothing waits on the device), and `host_to_device` ships them. 
 arrays go through `PinnedStaging` — packed into two reusable pinned buffers, copied with
 `non_blocking=True` — so building a step's inputs never stalls the host on the GPU. The CUDA-graph
 runner (`cuda_graphs.py`) pads the same host arrays and copies them into its fixed buffers.
+
+Overlapped scheduling: a sequence's newest token may still be *pending* — sampled by the step
+in flight, not yet read back. Its input slot then holds a placeholder on the host, and
+`pending_dst`/`pending_src` say which input row takes which row of the previous step's
+sampled-token tensor; `fill_pending_tokens` does that gather on the device, so the next step
+is built and launched without waiting for the tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import numpy as np
@@ -36,8 +42,15 @@ class ModelInputs:
     metadata: AttentionMetadata
 
 
+PENDING_PLACEHOLDER = 0  # the host-side input id of a pending token (overwritten on the device)
+
+
 def _token_slice(seq: Sequence, start: int, end: int) -> list[int]:
     # Slices prompt/output directly: `seq.token_ids` would copy the whole context every step.
+    known = seq.num_known_tokens
+    if end > known:
+        head = _token_slice(seq, start, known) if start < known else []
+        return head + [PENDING_PLACEHOLDER] * (end - max(start, known))
     p = seq.num_prompt_tokens
     if end <= p:
         return seq.prompt_token_ids[start:end]
@@ -59,6 +72,10 @@ class HostInputs:
     logits_indices: np.ndarray  # [S] int64
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    # Pending tokens: input row pending_dst[i] takes row pending_src[i] of the previous step's
+    # sampled tokens (both empty when every input id is known).
+    pending_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_seqs(self) -> int:
@@ -69,7 +86,7 @@ class HostInputs:
         return int(self.input_ids.shape[0]) == self.num_seqs
 
 
-_ARRAY_FIELDS = [f.name for f in fields(HostInputs) if not f.name.endswith("_cpu")]
+_ARRAY_FIELDS = [f.name for f in fields(HostInputs) if not f.name.endswith("_cpu") and not f.name.startswith("pending_")]
 
 
 def build_model_inputs(
@@ -87,6 +104,7 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
 
     For each entry the new tokens are `seq.token_ids[c : c + num_new_tokens]` with
     `c = seq.num_computed_tokens`; `seq.block_table` must already cover `c + num_new_tokens`.
+    Only a sequence's last new token may be pending (see the module docstring).
     """
     if not batch:
         raise ValueError("empty batch")
@@ -95,6 +113,8 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
     seq_lens: list[int] = []
     tables: list[list[int]] = []
     logits_indices: list[int] = []
+    pending_dst: list[int] = []
+    pending_src: list[int] = []
     num_tokens = 0
     for item in batch:
         seq, n = item.seq, item.num_new_tokens
@@ -108,6 +128,12 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
             raise ValueError(
                 f"{seq.request_id}: {len(seq.block_table)} blocks cannot hold {end} tokens (block size {block_size})"
             )
+        num_pending = end - seq.num_known_tokens
+        if num_pending > 0:
+            if num_pending > 1 or seq.num_pending_tokens != 1:
+                raise ValueError(f"{seq.request_id}: only the last new token may be pending")
+            pending_dst.append(num_tokens + n - 1)
+            pending_src.append(seq.pending_row)
         token_chunks.append(_token_slice(seq, start, end))
         query_lens.append(n)
         seq_lens.append(end)
@@ -143,17 +169,45 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
         logits_indices=np.asarray(logits_indices, dtype=np.int64),
         seq_lens_cpu=seq_lens,
         query_lens_cpu=query_lens,
+        pending_dst=np.asarray(pending_dst, dtype=np.int64),
+        pending_src=np.asarray(pending_src, dtype=np.int64),
     )
 
 
-def host_to_device(host: HostInputs, device: torch.device, staging: PinnedStaging | None = None) -> ModelInputs:
-    """Device tensors for `host`: through `staging` (pinned, asynchronous) when given, else a
-    plain copy per array (a no-op view on CPU)."""
+def fill_pending_tokens(
+    input_ids: torch.Tensor, dst: torch.Tensor | None, src: torch.Tensor | None, previous_tokens: torch.Tensor | None
+) -> None:
+    """On the device: `input_ids[dst] = previous_tokens[src]` (nothing when `dst` is None)."""
+    if dst is None:
+        return
+    if previous_tokens is None or src is None:
+        raise ValueError("the step has pending tokens but no previous step's tokens were given")
+    input_ids.index_copy_(0, dst, previous_tokens.index_select(0, src).to(input_ids.dtype))
+
+
+def arrays_to_device(
+    arrays: SequenceOf[np.ndarray], device: torch.device, staging: PinnedStaging | None = None
+) -> list[torch.Tensor]:
+    """Device tensors for `arrays`: through `staging` (pinned, one asynchronous copy per dtype)
+    when given, else a plain copy per array (a no-op view on CPU)."""
     if staging is not None:
-        arrays = dict(zip(_ARRAY_FIELDS, staging.to_device([getattr(host, n) for n in _ARRAY_FIELDS])))
-    else:
-        arrays = {n: torch.from_numpy(getattr(host, n)).to(device, non_blocking=True) for n in _ARRAY_FIELDS}
+        return staging.to_device(arrays)
+    return [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
+
+
+def host_to_device(
+    host: HostInputs,
+    device: torch.device,
+    staging: PinnedStaging | None = None,
+    previous_tokens: torch.Tensor | None = None,
+) -> ModelInputs:
+    """Device tensors for `host`, pending tokens filled in from `previous_tokens`."""
+    names = list(_ARRAY_FIELDS)
+    if host.pending_dst.size:
+        names += ["pending_dst", "pending_src"]
+    arrays = dict(zip(names, arrays_to_device([getattr(host, n) for n in names], device, staging)))
     input_ids = arrays.pop("input_ids")
+    fill_pending_tokens(input_ids, arrays.pop("pending_dst", None), arrays.pop("pending_src", None), previous_tokens)
     metadata = AttentionMetadata(**arrays, seq_lens_cpu=host.seq_lens_cpu, query_lens_cpu=host.query_lens_cpu)
     return ModelInputs(input_ids=input_ids, metadata=metadata)
 
@@ -163,38 +217,42 @@ class PinnedStaging:
 
     All arrays of one dtype are packed into one pinned buffer and sent with one
     `non_blocking` copy; the device tensors returned are views of that copy. A buffer is
-    refilled only after the copy that last read it has finished (an event wait — in practice
-    long done, since the sampler reads the previous step's tokens back before the next step is
-    built). Buffers grow to the next power of two when a step needs more. For a CPU device the
+    refilled only after the copy that last read it has finished (an event wait). Two sets of
+    buffers alternate, so with overlapped scheduling the step being built never waits on the
+    copy of the step in flight, only on the one before it (long done). Buffers grow to the
+    next power of two when a step needs more. For a CPU device the
     buffers are ordinary memory and each "copy" a clone (tests exercise the packing so).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pinned = device.type == "cuda"
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
-        self._events: dict[torch.dtype, torch.cuda.Event] = {}
+        self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._events: dict[tuple[int, torch.dtype], torch.cuda.Event] = {}
+        self._slot = 0
 
-    def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        event = self._events.get(dtype)
+    def _buffer(self, key: tuple[int, torch.dtype], numel: int) -> torch.Tensor:
+        event = self._events.get(key)
         if event is not None:
             event.synchronize()
-        buf = self._buffers.get(dtype)
+        buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
             size = 1 << max(numel - 1, 1023).bit_length()
-            buf = self._buffers[dtype] = torch.empty(size, dtype=dtype, pin_memory=self._pinned)
+            buf = self._buffers[key] = torch.empty(size, dtype=key[1], pin_memory=self._pinned)
         return buf
 
     def to_device(self, arrays: SequenceOf[np.ndarray]) -> list[torch.Tensor]:
         """One device tensor per array (same shape and dtype), in order."""
         out: list[torch.Tensor | None] = [None] * len(arrays)
+        self._slot ^= 1
         by_dtype: dict[np.dtype, list[int]] = {}
         for i, a in enumerate(arrays):
             by_dtype.setdefault(a.dtype, []).append(i)
         for np_dtype, indices in by_dtype.items():
             dtype = torch.from_numpy(np.empty(0, dtype=np_dtype)).dtype
             total = sum(arrays[i].size for i in indices)
-            buf = self._buffer(dtype, total)
+            key = (self._slot, dtype)
+            buf = self._buffer(key, total)
             host = buf.numpy()
             offset = 0
             for i in indices:
@@ -202,9 +260,9 @@ class PinnedStaging:
                 offset += arrays[i].size
             if self._pinned:
                 packed = buf[:total].to(self.device, non_blocking=True)
-                if dtype not in self._events:
-                    self._events[dtype] = torch.cuda.Event()
-                self._events[dtype].record(torch.cuda.current_stream(self.device))
+                if key not in self._events:
+                    self._events[key] = torch.cuda.Event()
+                self._events[key].record(torch.cuda.current_stream(self.device))
             else:  # a copy, not a view: the next step refills the buffer
                 packed = buf[:total].clone()
             offset = 0

@@ -238,7 +238,9 @@ class BlockManager:
         concurrently), that mapping wins and this block stays private and unhashed.
         """
         bs = self.block_size
-        computed = min(seq.num_computed_tokens, len(seq.block_table) * bs)
+        # Computed tokens whose ids are still pending (overlapped scheduling) wait for a later
+        # commit: a block is hashed from its token ids.
+        computed = min(seq.num_computed_tokens, seq.num_known_tokens, len(seq.block_table) * bs)
         # Blocks fill in order, so walking back from the last written block until a full one
         # touches only what this step wrote.
         for i in range(-(-computed // bs) - 1, -1, -1):

@@ -116,13 +116,17 @@ class ModelRunner:
         self.cuda_graphs = graphs
 
     @torch.inference_mode()
-    def execute(self, batch: SequenceOf[ScheduledLike]) -> torch.Tensor:
-        """Run the batch's new tokens; float32 logits `[num_sampling, vocab]` in batch order."""
+    def execute(
+        self, batch: SequenceOf[ScheduledLike], previous_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run the batch's new tokens; float32 logits `[num_sampling, vocab]` in batch order.
+
+        Returns without waiting for the device. Pending input tokens (overlapped scheduling)
+        are read on the device from `previous_tokens`, the prior step's sampled tokens."""
         host = prepare_host_inputs(batch, self.block_size)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(host):
-            assert self._staging is not None
-            return self.cuda_graphs.run(host, self._staging)
-        inputs = host_to_device(host, self.device, self._staging)
+            return self.cuda_graphs.run(host, self._staging, previous_tokens)
+        inputs = host_to_device(host, self.device, self._staging, previous_tokens)
         md = inputs.metadata
         hidden = self.model(inputs.input_ids, md.positions, self.kv_caches, md)
         return self.model.compute_logits(hidden.index_select(0, md.logits_indices)).float()

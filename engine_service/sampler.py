@@ -67,14 +67,18 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    # -- public entry point ------------------------------------------------------------------
+    # -- public entry points -----------------------------------------------------------------
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Sample and wait for the result on the host."""
+        return self.sample_async(logits, seqs).result()
+
+    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """Queue the sampling on the logits' device and start copying the result to the host;
+        returns without waiting (no host sync on CUDA). `seqs` are read now, not later."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(seqs)} sequences")
-        if not seqs:
-            return SamplerOutput(token_ids=[], logprobs=[])
         if self.vocab_size is not None:
             if logits.shape[1] < self.vocab_size:
                 raise ValueError(f"logits have {logits.shape[1]} columns, vocab_size is {self.vocab_size}")
@@ -82,6 +86,8 @@ class Sampler:
         raw = logits.float()
         params = [s.params for s in seqs]
         device = raw.device
+        if not seqs:
+            return PendingSample(torch.zeros(0, dtype=torch.long, device=device), None, params)
 
         work = self._apply_logit_masks_and_penalties(raw, seqs)
 
@@ -93,13 +99,12 @@ class Sampler:
             tokens = self._sample_random(work, seqs)
         else:
             tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
-            g_idx = torch.tensor(greedy_rows, device=device)
-            r_idx = torch.tensor(random_rows, device=device)
+            g_idx = _to_device(greedy_rows, torch.long, device)
+            r_idx = _to_device(random_rows, torch.long, device)
             tokens[g_idx] = work[g_idx].argmax(dim=-1)
             tokens[r_idx] = self._sample_random(work[r_idx], [seqs[i] for i in random_rows])
 
-        logprobs = self._logprobs(raw, tokens, params)
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+        return PendingSample(tokens, self._logprob_tensors(raw, tokens, params), params)
 
     # -- logit processing shared by greedy and random rows -----------------------------------
     def _apply_logit_masks_and_penalties(self, raw: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -112,7 +117,7 @@ class Sampler:
         mask_cols: list[int] = []
         for i, seq in enumerate(seqs):
             p = seq.params
-            if seq.num_output_tokens < p.min_tokens:
+            if seq.num_generated_tokens < p.min_tokens:
                 stoppers = list(p.stop_token_ids)
                 if not p.ignore_eos:
                     stoppers.extend(seq.eos_token_ids)
@@ -122,7 +127,7 @@ class Sampler:
                         mask_cols.append(t)
         if mask_rows:
             work = work.clone()
-            work[torch.tensor(mask_rows, device=device), torch.tensor(mask_cols, device=device)] = -math.inf
+            work[_to_device(mask_rows, torch.long, device), _to_device(mask_cols, torch.long, device)] = -math.inf
 
         params = [s.params for s in seqs]
         use_rep = [p.repetition_penalty != 1.0 for p in params]
@@ -182,11 +187,11 @@ class Sampler:
             else:
                 unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
                 noise = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=device)
-                q[torch.tensor(unseeded, device=device)] = noise.exponential_(generator=gen)
+                q[_to_device(unseeded, torch.long, device)] = noise.exponential_(generator=gen)
         if seeded:
             # One CPU draw of exactly [vocab] per seeded row keeps its stream batch-independent.
             rows = [torch.empty(vocab, dtype=torch.float32).exponential_(generator=seqs[i].generator) for i in seeded]
-            q[torch.tensor(seeded, device=device)] = torch.stack(rows).to(device)
+            q[_to_device(seeded, torch.long, device)] = _host_to_device(torch.stack(rows), device)
         return q
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -202,34 +207,100 @@ class Sampler:
 
     # -- logprobs ----------------------------------------------------------------------------
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[TokenLogprobs | None]:
-        result: list[TokenLogprobs | None] = [None] * len(params)
+    def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> _LogprobTensors | None:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
-            return result
-        device = raw.device
-        idx = torch.tensor(rows, device=device)
+            return None
+        idx = _to_device(rows, torch.long, raw.device)
         logprobs = torch.log_softmax(raw[idx], dim=-1)
-        chosen = tokens[idx].unsqueeze(1)
-        chosen_lp = logprobs.gather(1, chosen)
-        ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+        chosen_lp = logprobs.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)
+        ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(dim=-1) + 1
         top_n = min(max(params[i].logprobs or 0 for i in rows), raw.shape[1])
+        top_vals = top_ids = None
         if top_n > 0:
             top_vals, top_ids = torch.topk(logprobs, top_n, dim=-1)
-            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        chosen_l = chosen.squeeze(1).tolist()
-        chosen_lp_l = chosen_lp.squeeze(1).tolist()
-        ranks_l = ranks.tolist()
-        for j, i in enumerate(rows):
-            n = min(params[i].logprobs or 0, top_n)
-            top = list(zip(top_ids_l[j][:n], top_vals_l[j][:n])) if n > 0 else []
-            result[i] = TokenLogprobs(token_id=chosen_l[j], logprob=chosen_lp_l[j], rank=ranks_l[j], top=top)
-        return result
+        return _LogprobTensors(rows, chosen_lp, ranks, top_vals, top_ids)
+
+
+@dataclass
+class _LogprobTensors:
+    """Logprob results of the rows in `rows` (device tensors until `PendingSample` copies them)."""
+
+    rows: list[int]
+    chosen: torch.Tensor  # [R] float
+    ranks: torch.Tensor  # [R] long
+    top_vals: torch.Tensor | None  # [R, top_n] or None when no row asked for alternatives
+    top_ids: torch.Tensor | None
+
+
+class PendingSample:
+    """One step's sampled tokens on their way to the host.
+
+    `token_ids` stays on the device: the next step's pending inputs read it there. The host copy
+    (tokens and logprob results) is started at construction, asynchronously into pinned memory
+    on CUDA; `result()` waits for that copy only — not for later work queued on the device.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: _LogprobTensors | None, params: list[SamplingParams]) -> None:
+        self.token_ids = token_ids
+        self._params = params
+        self._logprob_rows = logprobs.rows if logprobs is not None else []
+        parts = [token_ids]
+        if logprobs is not None:
+            parts += [logprobs.chosen, logprobs.ranks]
+            if logprobs.top_vals is not None:
+                parts += [logprobs.top_vals, logprobs.top_ids]
+        self._event: torch.cuda.Event | None = None
+        if token_ids.device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
+            for host, t in zip(self._host, parts):
+                host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(token_ids.device))
+        else:
+            self._host = parts
+        self._result: SamplerOutput | None = None
+
+    def ready(self) -> bool:
+        """Whether `result()` would return without waiting."""
+        return self._event is None or self._event.query()
+
+    def result(self) -> SamplerOutput:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result = self._build()
+        return self._result
+
+    def _build(self) -> SamplerOutput:
+        token_ids = self._host[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if self._logprob_rows:
+            chosen, ranks = self._host[1].tolist(), self._host[2].tolist()
+            top_vals = self._host[3].tolist() if len(self._host) > 3 else None
+            top_ids = self._host[4].tolist() if len(self._host) > 4 else None
+            for j, i in enumerate(self._logprob_rows):
+                n = self._params[i].logprobs or 0
+                top = list(zip(top_ids[j][:n], top_vals[j][:n])) if n > 0 and top_ids is not None else []
+                logprobs[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen[j], rank=ranks[j], top=top)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
 
 # -- helpers -----------------------------------------------------------------------------------
+def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device` without a host sync: a plain `.to()` from pageable memory
+    waits for the device's queue to drain, which would stall an overlapped step."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return _to_device(values, torch.float32, device).unsqueeze(1)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -243,7 +314,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     if width == 0:
         return counts[:, :vocab]
     padded = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.long)
-    padded = padded.clamp_(min=0, max=vocab).to(device)
+    padded = _host_to_device(padded.clamp_(min=0, max=vocab), device)
     counts.scatter_add_(1, padded, torch.ones(padded.shape, dtype=torch.float32, device=device))
     return counts[:, :vocab]
 
@@ -261,9 +332,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     rows = [i for i in range(len(params)) if ks[i] < vocab or ps[i] < 1.0]
     if not rows:
         return logits
-    idx = torch.tensor(rows, device=device)
+    idx = _to_device(rows, torch.long, device)
     sub = logits[idx]
-    k = torch.tensor([ks[i] for i in rows], dtype=torch.long, device=device)
+    k = _to_device([ks[i] for i in rows], torch.long, device)
 
     if all(ps[i] >= 1.0 for i in rows):
         # Top-k alone: a partial topk gives each row's k-th value as a threshold, no full sort.
@@ -276,7 +347,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
         sorted_logits = sorted_logits.masked_fill(remove, -math.inf)
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = torch.tensor([ps[i] for i in rows], dtype=torch.float32, device=device).unsqueeze(1)
+        p = _column([ps[i] for i in rows], device)
         # Rows with p == 1 must not lose their tail to cumsum rounding.
         remove |= (mass_before >= p) & (p < 1.0)
         remove[:, 0] = False

@@ -9,8 +9,17 @@ One step, as driven by the engine:
 
     out = scheduler.schedule()
     runner.execute(out.scheduled)            # writes K/V, returns logits of `sample` rows
-    for each sampled seq: seq.append_token(t); check_stop(seq)   # may call seq.finish()
-    scheduler.update(out)                    # advance progress, cache blocks, drop finished
+    scheduler.begin_step(out)                # the step's tokens count as computed
+    for each sampled seq: seq.mark_pending(row)    # sampled on the device
+    ... later: seq.confirm_token(t); check_stop(seq)   # read back; may call seq.finish()
+    scheduler.end_step(out)                  # cache full blocks, drop finished
+
+With overlapped scheduling the next step is scheduled and launched between `begin_step` and
+`end_step`: a decode sequence's pending token counts as its one uncomputed token, and its input
+is read on the device. A sequence whose pending token already reaches its length limit is not
+scheduled again (it ends at `end_step`); one that ends by a stop token costs one extra token of
+compute, whose result is dropped. `update(out)` is `begin_step` + `end_step`, for callers that
+append tokens synchronously.
 """
 
 from __future__ import annotations
@@ -144,7 +153,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new == 0:
+            if num_new == 0 or (seq.num_pending_tokens and seq.reached_length_limit(self.max_model_len)):
                 i += 1
                 continue
             while not self.block_manager.allocate(seq, num_new):
@@ -214,19 +223,25 @@ class Scheduler:
             "request_cannot_run", request_id=seq.request_id, reason=reason, num_tokens=seq.num_tokens
         )
 
-    def update(self, output: SchedulerOutput) -> None:
-        """Account for a finished step; the engine has already appended tokens and checked stops."""
+    def begin_step(self, output: SchedulerOutput) -> None:
+        """The step was launched: its new tokens count as computed (the device writes their K/V
+        before any later step reads them)."""
+        for item in output.scheduled:
+            if self._requests.get(item.seq.request_id) is item.seq:  # not aborted meanwhile
+                item.seq.num_computed_tokens += item.num_new_tokens
+
+    def end_step(self, output: SchedulerOutput) -> None:
+        """The step's sampled tokens were read back, appended and stop-checked: cache newly full
+        blocks, release finished sequences."""
         bm = self.block_manager
         for item in output.scheduled:
             seq = item.seq
             if self._requests.get(seq.request_id) is not seq:
-                continue  # aborted while the step ran; its blocks are already free
-            seq.num_computed_tokens += item.num_new_tokens
+                continue  # aborted or ended meanwhile; its blocks are already free
             bm.commit(seq)
             if item.sample and not seq.is_finished and seq.num_uncomputed_tokens == 0:
                 raise RuntimeError(
-                    f"sequence {seq.request_id} was sampled but no token was appended "
-                    "before update()"
+                    f"sequence {seq.request_id} was sampled but no token was appended or marked pending"
                 )
         if any(seq.is_finished for seq in self.running):
             still_running = []
@@ -237,3 +252,15 @@ class Scheduler:
                 else:
                     still_running.append(seq)
             self.running = still_running
+        for item in output.scheduled:
+            # Preempted while its token was pending, and that token ended it: it waits no more.
+            seq = item.seq
+            if seq.is_finished and self._requests.get(seq.request_id) is seq:
+                self.waiting.remove(seq)
+                bm.free(seq)
+                self._requests.pop(seq.request_id)
+
+    def update(self, output: SchedulerOutput) -> None:
+        """`begin_step` + `end_step`: the engine has already appended tokens and checked stops."""
+        self.begin_step(output)
+        self.end_step(output)

@@ -75,8 +75,14 @@ class Sequence:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.status = SequenceStatus.WAITING
-        # Tokens whose K/V are written in this sequence's blocks (prefix-cache hits count).
+        # Tokens whose K/V are written (or being written by a launched step) in this sequence's
+        # blocks; prefix-cache hits count.
         self.num_computed_tokens = 0
+        # Tokens sampled on the device but not yet read back (overlapped scheduling): they count
+        # in `num_tokens` but are not in `output_token_ids`. `pending_row` is the newest one's row
+        # in its step's sampled-token tensor, where the next step's input reads it from.
+        self.num_pending_tokens = 0
+        self.pending_row = -1
         # Prompt tokens served from the prefix cache at the first admission (reported in usage).
         self.num_cached_prompt_tokens: int | None = None
         self.block_table: list[int] = []
@@ -104,10 +110,22 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt, output and pending tokens: the length the model's next step extends."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens whose ids the host has (`num_tokens` less pending ones)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_generated_tokens(self) -> int:
+        """Output tokens sampled so far, read back or not."""
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
     def token_ids(self) -> list[int]:
+        """The known token ids (pending ones excluded)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
@@ -122,6 +140,22 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def reached_length_limit(self, max_model_len: int) -> bool:
+        """Whether the tokens sampled so far (pending included) already end it by length."""
+        return self.num_generated_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
+
+    def mark_pending(self, row: int) -> None:
+        """A step sampled this sequence's next token on the device, at `row` of its tokens."""
+        self.num_pending_tokens += 1
+        self.pending_row = row
+
+    def confirm_token(self, token_id: int) -> None:
+        """The oldest pending token was read back: it becomes an output token."""
+        if self.num_pending_tokens < 1:
+            raise RuntimeError(f"{self.request_id}: no pending token to confirm")
+        self.num_pending_tokens -= 1
+        self.append_token(token_id)
 
     def append_token(self, token_id: int) -> None:
         if self.first_token_time is None:

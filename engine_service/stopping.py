@@ -7,7 +7,10 @@ Rules, in order of precedence (the first that holds decides the finish reason):
 3. A token in ``params.stop_token_ids`` (applies even with ``ignore_eos``): STOP, same reason.
 4. The output ends with ``params.stop_token_sequences[i]``: STOP, stop_reason = ``"seq:<i>"``
    (the first listed sequence that matches wins).
-5. ``num_output_tokens >= max_tokens`` or ``num_tokens >= max_model_len``: LENGTH.
+5. ``num_output_tokens >= max_tokens`` or ``num_known_tokens >= max_model_len``: LENGTH.
+
+With overlapped scheduling a later token may already be pending (sampled, not read back) when
+this one is checked; only known tokens count, so the decision is the same as without overlap.
 
 A stop that lands on the last allowed token reports STOP rather than LENGTH: the model ended the
 text itself, so a client must not treat it as truncated (vLLM v0's order; vLLM v1 checks length
@@ -46,7 +49,7 @@ def check_stop(seq: Sequence, max_model_len: int) -> bool:
                 seq.finish(FinishReason.STOP, f"seq:{index}")
                 return True
 
-    if num_output >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if num_output >= params.max_tokens or seq.num_known_tokens >= max_model_len:
         seq.finish(FinishReason.LENGTH)
         return True
     return False

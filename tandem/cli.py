@@ -34,6 +34,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, PyTorch reference on CPU (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs for decode")
+    g.add_argument("--overlap-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="build and launch the next step while the current one runs on the device; "
+                        "auto: on for CUDA (default: %(default)s)")
 
 
 def _engine_config(args):
@@ -49,7 +52,8 @@ def _engine_config(args):
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting_requests=args.max_waiting_requests,
-                                  max_waiting_tokens=args.max_waiting_tokens),
+                                  max_waiting_tokens=args.max_waiting_tokens,
+                                  overlap_scheduling=args.overlap_scheduling),
     )
 
 
@@ -59,7 +63,8 @@ def _engine_flags(args) -> list[str]:
            "--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction), "--cpu-kv-cache-gb", str(args.cpu_kv_cache_gb),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-waiting-requests", str(args.max_waiting_requests), "--max-waiting-tokens", str(args.max_waiting_tokens),
-           "--seed", str(args.seed), "--attention-backend", args.attention_backend]
+           "--seed", str(args.seed), "--attention-backend", args.attention_backend,
+           "--overlap-scheduling", args.overlap_scheduling]
     for flag, value in (("--max-model-len", args.max_model_len), ("--num-kv-blocks", args.num_kv_blocks),
                         ("--cache-dir", args.cache_dir)):
         if value is not None:

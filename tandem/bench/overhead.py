@@ -35,10 +35,11 @@ class HostOnlyRunner:
         self.vocab_size = vocab_size
         self.eos_token_ids: tuple[int, ...] = ()
         self.model_path = None
+        self.device = torch.device("cpu")
         g = torch.Generator().manual_seed(0)
         self._logits = torch.randn(4096, vocab_size, generator=g)
 
-    def execute(self, batch) -> torch.Tensor:
+    def execute(self, batch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         host = prepare_host_inputs(batch, self.block_size)
         return self._logits[: len(host.logits_indices)]
 

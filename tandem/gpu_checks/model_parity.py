@@ -17,8 +17,10 @@ between its token and the other engine's must be below ``max(0.02 · max|logit|,
 of that row (twice the measured error is exactly what can flip an argmax). A near-tie is reported
 and that sequence is not compared any further (its continuations differ legitimately).
 
-Then: a host-sync check (one mixed step and one decode step of each Triton engine under
-``torch.cuda.set_sync_debug_mode("error")``), and decode-step timing at batch 1 and 8 with a
+Then: a host-sync check (one mixed step and one decode step of each Triton engine, forward and
+sampler launch, under ``torch.cuda.set_sync_debug_mode("error")``); an overlapped-scheduling
+check (the Triton + graphs runner drives 64 greedy requests with overlap off and on: identical
+tokens required, wall time of each reported); and decode-step timing at batch 1 and 8 with a
 512-token context for every engine (CUDA events; ``median_ms`` per synchronised step including
 host work, ``pipelined_ms`` per step when steps are issued back to back).
 
@@ -61,6 +63,9 @@ LOGIT_TOL = 0.1
 TIE_REL = 0.02
 TIMING_CONTEXT = 512
 TIMING_BATCHES = (1, 8)
+OVERLAP_REQUESTS = 64
+OVERLAP_PROMPT_LEN = 128
+OVERLAP_OUTPUT_LEN = 256
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "reference": {"attention_backend": "torch", "enforce_eager": True},
@@ -83,12 +88,12 @@ class Recorder:
         runner.execute = self  # type: ignore[method-assign]
 
     @torch.inference_mode()
-    def __call__(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+    def __call__(self, batch: list[ScheduledSeq], previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         graphs = self.runner.cuda_graphs
         if graphs is not None and graphs.can_run(prepare_host_inputs(batch, self.runner.block_size)):
             self.graph_steps += 1
         self.steps += 1
-        logits = self.execute(batch)
+        logits = self.execute(batch, previous_tokens)
         ids = [item.seq.request_id for item in batch if item.sample]
         self.last = {rid: logits[i] for i, rid in enumerate(ids)}
         return logits
@@ -130,13 +135,20 @@ def _environment() -> dict[str, Any]:
     return env
 
 
-def _build(args: argparse.Namespace, name: str, overrides: dict[str, Any]) -> Variant:
-    config = EngineConfig(
+def _config(args: argparse.Namespace, overrides: dict[str, Any], overlap: str) -> EngineConfig:
+    return EngineConfig(
         ModelConfig(model=args.model, dtype="bfloat16", device=DEVICE, max_model_len=MAX_MODEL_LEN, seed=0,
                     **overrides),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
-        SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS),
+        SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+                        overlap_scheduling=overlap),
     )
+
+
+def _build(args: argparse.Namespace, name: str, overrides: dict[str, Any]) -> Variant:
+    # Overlap off: each step's logits and its tokens come from the same step() call, which the
+    # per-step comparison below relies on (part_overlap checks the overlapped engine).
+    config = _config(args, overrides, "off")
     config.validate()
     runner = ModelRunner(config)
     return Variant(name, LLMEngine(config, runner=runner), Recorder(runner))
@@ -298,9 +310,10 @@ def part_sync_check(variants: dict[str, Variant]) -> dict[str, Any]:
             for label, batch in (("mixed", decodes + prefill), ("decode", decodes)):
                 execute(batch)  # first call compiles what this shape needs, outside the check
                 torch.cuda.synchronize()
+                seqs = [item.seq for item in batch if item.sample]
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    execute(batch)
+                    engine.sampler.sample_async(execute(batch), seqs)
                     checks[label] = "no host sync"
                 except RuntimeError as exc:
                     checks[label] = f"synchronised: {exc}"
@@ -357,10 +370,50 @@ def part_timing(variants: dict[str, Variant], iters: int) -> dict[str, Any]:
     return result
 
 
+def part_overlap(args: argparse.Namespace, variants: dict[str, Variant]) -> dict[str, Any]:
+    """The Triton + CUDA-graph runner driven with overlapped scheduling off and on: tokens must be
+    identical (same batches, same kernels), and the wall time of each run is reported."""
+    if "triton_graphs" not in variants:
+        return {"ok": False, "error": "triton_graphs engine not built"}
+    runner = variants["triton_graphs"].recorder.runner
+    vocab = runner.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, vocab, (OVERLAP_PROMPT_LEN,), generator=gen).tolist() for _ in range(OVERLAP_REQUESTS)]
+    result: dict[str, Any] = {"requests": OVERLAP_REQUESTS, "prompt_len": OVERLAP_PROMPT_LEN,
+                              "output_len": OVERLAP_OUTPUT_LEN}
+    tokens: dict[str, dict[str, list[int]]] = {}
+    for mode in ("off", "on", "off", "on"):  # twice each: the first of each pays for warm-up
+        engine = LLMEngine(_config(args, VARIANTS["triton_graphs"], mode), runner=runner)
+        params = SamplingParams(max_tokens=OVERLAP_OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"o{i}", prompt, params)
+        got: dict[str, list[int]] = {f"o{i}": [] for i in range(len(prompts))}
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        steps = 0
+        while engine.has_work():
+            for o in engine.step():
+                got[o.request_id].extend(o.new_token_ids)
+            steps += 1
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tokens[mode] = got
+        result[f"overlap_{mode}"] = {"seconds": round(seconds, 4), "steps": steps, "engine_overlap": engine.overlap,
+                                     "output_tok_per_s": round(sum(map(len, got.values())) / seconds, 1),
+                                     "kv_blocks_used_after": engine.block_manager.num_used_blocks}
+    mismatched = [rid for rid in tokens["off"] if tokens["off"][rid] != tokens["on"][rid]]
+    result["mismatched_requests"] = mismatched
+    result["speedup"] = round(result["overlap_off"]["seconds"] / result["overlap_on"]["seconds"], 3)
+    complete = all(len(t) == OVERLAP_OUTPUT_LEN for t in tokens["on"].values())
+    result["ok"] = (not mismatched and complete and result["overlap_on"]["engine_overlap"]
+                    and result["overlap_on"]["kv_blocks_used_after"] == 0)
+    return result
+
+
 def _table(report: dict[str, Any]) -> str:
     parts = report["parts"]
     lines = [f"{'part':<34} {'ok':<6} detail", "-" * 96]
-    for name in ("build", "parity", "sync_check", "timing"):
+    for name in ("build", "parity", "sync_check", "timing", "overlap"):
         part = parts.get(name, {})
         detail = part.get("error", "") or part.get("problem", "")
         lines.append(f"{name:<34} {str(part.get('ok')):<6} {detail}"[:160])
@@ -383,6 +436,13 @@ def _table(report: dict[str, Any]) -> str:
             if "median_ms" in r else f"{n}=error" for n, r in row.items()
         ]
         lines.append(f"  decode batch {batch_size:<3} ctx {TIMING_CONTEXT:<14} {'':<6} " + "; ".join(cells))
+    overlap = parts.get("overlap", {})
+    if "speedup" in overlap:
+        lines.append(
+            f"  overlap {overlap['requests']}x{overlap['prompt_len']}+{overlap['output_len']} greedy: off "
+            f"{overlap['overlap_off']['output_tok_per_s']:.0f} tok/s, on {overlap['overlap_on']['output_tok_per_s']:.0f} "
+            f"tok/s ({overlap['speedup']}x), mismatched requests {len(overlap['mismatched_requests'])}"
+        )
     lines.append(f"overall ok: {report['ok']}")
     return "\n".join(lines)
 
@@ -411,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         _guarded(report, "parity", lambda: part_parity(variants))
         _guarded(report, "sync_check", lambda: part_sync_check(variants))
         _guarded(report, "timing", lambda: part_timing(variants, args.timing_iters))
+        _guarded(report, "overlap", lambda: part_overlap(args, variants))
         report["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    report["ok"] = all(p.get("ok") for p in report["parts"].values()) and len(report["parts"]) == 4
+    report["ok"] = all(p.get("ok") for p in report["parts"].values()) and len(report["parts"]) == 5
     (args.out / "model_parity.json").write_text(json.dumps(report, indent=2, default=str))
     print(_table(report), flush=True)
     return 0 if report["ok"] else 1
