@@ -268,6 +268,8 @@ def _rotary_cases(quick: bool, device: torch.device, gen: torch.Generator) -> It
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     freqs = torch.outer(torch.arange(max_pos, device=device).float(), inv_freq)
     cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    qk_weights = {name: 1.0 + 0.3 * torch.randn(head_dim, device=device, dtype=DTYPE, generator=gen)
+                  for name in ("q_norm_weight", "k_norm_weight")}
     for tokens in (1, 256, 8192):
         qkv0 = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, dtype=DTYPE,
                            generator=gen)
@@ -304,22 +306,46 @@ def _rotary_cases(quick: bool, device: torch.device, gen: torch.Generator) -> It
             qkv.copy_(qkv0)
             cache.fill_(float("nan"))
 
-        def run_store(pos=pos, q=q, k=k, v=v, cache=cache, slots=slots) -> None:
-            rotary.rope_and_store_kv(pos, q, k, v, cos_sin, cache, slots)
+        # Plain RoPE + store (Llama), then with Qwen3's per-head q/k norm fused in at decode
+        # batch sizes; "unfused" times what the norm cost before: two rmsnorm launches + RoPE.
+        for qk_norm in (False, True) if tokens <= 256 else (False,):
+            weights = qk_weights if qk_norm else {}
 
-        def cmp_store(pos=pos, q=q, k=k, qkv0=qkv0, cache=cache, slots=slots, tokens=tokens):
-            q0 = qkv0[:, : heads * head_dim].view(tokens, heads, head_dim)
-            k0 = qkv0[:, heads * head_dim : (heads + kv_heads) * head_dim].view(
-                tokens, kv_heads, head_dim)
-            v0 = qkv0[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
-            ref_cache = torch.full_like(cache, float("nan"))
-            rq, rk = rotary.rope_and_store_kv_reference(pos, q0, k0, v0, cos_sin, ref_cache, slots)
-            flat, ref_flat = cache.flatten(1, 2), ref_cache.flatten(1, 2)
-            return [("q", q, rq), ("k", k, rk), ("cache_slots", flat[:, slots], ref_flat[:, slots]),
-                    ("cache_untouched_nan", torch.isnan(cache).float(), torch.isnan(ref_cache).float())]
+            def run_store(pos=pos, q=q, k=k, v=v, cache=cache, slots=slots, weights=weights) -> None:
+                rotary.rope_and_store_kv(pos, q, k, v, cos_sin, cache, slots, **weights)
 
-        yield Case("rope_and_store_kv", f"T={tokens}", {"tokens": tokens}, run_store, cmp_store,
-                   prep_store, bytes_moved=rope_bytes + 3 * kv_heads * head_dim * tokens * elt)
+            def cmp_store(pos=pos, q=q, k=k, qkv0=qkv0, cache=cache, slots=slots, tokens=tokens,
+                          weights=weights):
+                q0 = qkv0[:, : heads * head_dim].view(tokens, heads, head_dim)
+                k0 = qkv0[:, heads * head_dim : (heads + kv_heads) * head_dim].view(
+                    tokens, kv_heads, head_dim)
+                v0 = qkv0[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+                ref_cache = torch.full_like(cache, float("nan"))
+                rq, rk = rotary.rope_and_store_kv_reference(pos, q0, k0, v0, cos_sin, ref_cache, slots,
+                                                            **weights)
+                flat, ref_flat = cache.flatten(1, 2), ref_cache.flatten(1, 2)
+                return [("q", q, rq), ("k", k, rk), ("cache_slots", flat[:, slots], ref_flat[:, slots]),
+                        ("cache_untouched_nan", torch.isnan(cache).float(),
+                         torch.isnan(ref_cache).float())]
+
+            extra = {}
+            if qk_norm:
+                q_normed = torch.empty(tokens, heads, head_dim, device=device, dtype=DTYPE)
+                k_normed = torch.empty(tokens, kv_heads, head_dim, device=device, dtype=DTYPE)
+
+                def run_unfused(pos=pos, q=q, k=k, v=v, cache=cache, slots=slots, qn=q_normed,
+                                kn=k_normed) -> None:
+                    norm.rmsnorm(q, qk_weights["q_norm_weight"], 1e-6, out=qn)
+                    norm.rmsnorm(k, qk_weights["k_norm_weight"], 1e-6, out=kn)
+                    rotary.rope_and_store_kv(pos, qn, kn, v, cos_sin, cache, slots)
+
+                extra = {"unfused": run_unfused}
+            name = f"{'qk-norm ' if qk_norm else ''}T={tokens}"
+            params = {"tokens": tokens, **({"qk_norm": True} if qk_norm else {})}
+            yield Case("rope_and_store_kv", name, params, run_store,
+                       cmp_store, prep_store,
+                       bytes_moved=rope_bytes + 3 * kv_heads * head_dim * tokens * elt,
+                       extra_timings=extra)
 
         kv_cache = torch.full_like(cache, float("nan"))
 
@@ -520,8 +546,9 @@ def _table(results: list[dict[str, Any]], copy_gbps: float | None) -> str:
             notes.append("timing: " + r["timing_error"][:60])
         if t.get("mode") == "eager":
             notes.append("eager (graph capture failed)")
-        if "sort_reference_timing" in r:
-            notes.append(f"sort ref {r['sort_reference_timing']['median_us']:.1f} µs")
+        for key, extra in r.items():
+            if key.endswith("_timing") and isinstance(extra, dict) and "median_us" in extra:
+                notes.append(f"{key[: -len('_timing')].replace('_', ' ')} {extra['median_us']:.1f} µs")
         if "num_splits" in r.get("params", {}):
             notes.append(f"splits={r['params']['num_splits']}")
         lines.append(

@@ -12,6 +12,12 @@ into the paged cache in the same pass, which saves re-reading k (``T·Hkv·D·e`
 launch. Bytes moved per token: read and write ``(H + Hkv)·rot_dim·e`` for q/k, plus the cos/sin
 row (``rot_dim·4``), plus ``2·Hkv·D·e`` of cache writes (and the V read) when fused. One program
 per token handles all heads so the cos/sin row is loaded once.
+
+``rope_and_store_kv`` can also apply Qwen3's per-head q/k RMSNorm before the rotation (each head
+lives whole in the program's registers, so the statistics cost no extra pass): that replaces two
+norm launches per layer, each of which read and wrote q or k once more (``2·(H + Hkv)·D·e``
+bytes per token in all). The two ``[D]`` weights stay in L2; with partial rotary the
+un-rotated dims are read, normalised and written back as well.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from tandem.kernels._utils import (
     check_shape,
     next_power_of_2,
     tl,
+    triton_helper,
     triton_kernel,
 )
 from tandem.kernels.kv_store import check_kv_cache_args, store_kv_reference
+from tandem.kernels.norm import rmsnorm_reference
 
 __all__ = [
     "apply_rotary",
@@ -37,6 +45,68 @@ __all__ = [
     "rope_and_store_kv",
     "rope_and_store_kv_reference",
 ]
+
+
+@triton_helper()
+def _rms_scale(x, rstd, w_ptr, cols, col_mask, dtype: tl.constexpr):
+    """RMSNorm's arithmetic on a ``[heads, cols]`` piece of each head, given the heads' ``rstd``:
+    the normalised value is rounded to ``dtype`` before the weight multiplies it (as in
+    :mod:`tandem.kernels.norm`); the product is rounded again and returned as float32."""
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    normed = cast(x * rstd[:, None], dtype).to(tl.float32)
+    return cast(normed * w[None, :], dtype).to(tl.float32)
+
+
+@triton_helper()
+def _rope_heads(
+    row_ptr,
+    stride_h,
+    heads,
+    heads_mask,
+    half,
+    half_mask,
+    dims,
+    tail_cols,
+    cos,
+    sin,
+    w_ptr,
+    eps,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NORM: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    LOAD_TAIL: tl.constexpr,
+):
+    """All heads of one token (``row_ptr``, heads ``stride_h`` apart), in place: RMS-normalise
+    each head over ``HEAD_DIM`` with the weight at ``w_ptr`` when ``NORM``, then rotate its first
+    ``2·HALF`` dims. Returns the two rotated halves and, when ``LOAD_TAIL``, the dims past the
+    rotation (normalised when ``NORM``), all in the tensor's dtype, for the cache write."""
+    dtype = row_ptr.dtype.element_ty
+    mask = heads_mask[:, None] & half_mask[None, :]
+    lo = row_ptr + heads[:, None] * stride_h + half[None, :]
+    x1 = tl.load(lo, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(lo + HALF, mask=mask, other=0.0).to(tl.float32)
+    tail_ptr = row_ptr + heads[:, None] * stride_h + dims[None, :]
+    tail_mask = heads_mask[:, None] & tail_cols[None, :]
+    tail = x1  # placeholder: only read when LOAD_TAIL
+    if LOAD_TAIL:
+        tail = tl.load(tail_ptr, mask=tail_mask, other=0.0)
+    if NORM:
+        sum_sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
+        if PARTIAL:  # the un-rotated dims count towards the head's RMS and are normalised too
+            tail_f = tail.to(tl.float32)
+            sum_sq += tl.sum(tail_f * tail_f, 1)
+        rstd = 1.0 / tl.sqrt(sum_sq / HEAD_DIM + eps)
+        x1 = _rms_scale(x1, rstd, w_ptr, half, half_mask, dtype)
+        x2 = _rms_scale(x2, rstd, w_ptr + HALF, half, half_mask, dtype)
+        if PARTIAL:
+            tail = cast(_rms_scale(tail_f, rstd, w_ptr, dims, tail_cols, dtype), dtype)
+            tl.store(tail_ptr, tail, mask=tail_mask)
+    r1 = cast(x1 * cos[None, :] - x2 * sin[None, :], dtype)
+    r2 = cast(x2 * cos[None, :] + x1 * sin[None, :], dtype)
+    tl.store(lo, r1, mask=mask)
+    tl.store(lo + HALF, r2, mask=mask)
+    return r1, r2, tail
 
 
 @triton_kernel
@@ -49,6 +119,9 @@ def _rope_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    eps,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -69,6 +142,10 @@ def _rope_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     STORE_KV: tl.constexpr,
+    NORM: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    Q_TAIL: tl.constexpr,
+    K_TAIL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -77,46 +154,36 @@ def _rope_kernel(
     cos = tl.load(cos_sin_ptr + pos * stride_cos + half, mask=half_mask, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + half, mask=half_mask, other=0.0)
     sin = sin.to(tl.float32)
+    dims = tl.arange(0, DIM_PAD)
+    tail_cols = (dims >= 2 * HALF) & (dims < HEAD_DIM)
 
     qh = tl.arange(0, Q_HEADS_PAD)
-    q_mask = (qh < NUM_Q_HEADS)[:, None] & half_mask[None, :]
-    q_lo = q_ptr + token * stride_qt + qh[:, None] * stride_qh + half[None, :]
-    q1 = tl.load(q_lo, mask=q_mask, other=0.0).to(tl.float32)
-    q2 = tl.load(q_lo + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    tl.store(q_lo, cast(q1 * cos[None, :] - q2 * sin[None, :], q_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q_lo + HALF, cast(q2 * cos[None, :] + q1 * sin[None, :], q_ptr.dtype.element_ty), mask=q_mask)
-
+    _rope_heads(
+        q_ptr + token * stride_qt, stride_qh, qh, qh < NUM_Q_HEADS, half, half_mask, dims, tail_cols,
+        cos, sin, q_w_ptr, eps, HALF, HEAD_DIM, NORM, PARTIAL, Q_TAIL,
+    )
     kh = tl.arange(0, KV_HEADS_PAD)
     kh_mask = kh < NUM_KV_HEADS
-    k_mask = kh_mask[:, None] & half_mask[None, :]
-    k_lo = k_ptr + token * stride_kt + kh[:, None] * stride_kh + half[None, :]
-    k1 = tl.load(k_lo, mask=k_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_lo + HALF, mask=k_mask, other=0.0).to(tl.float32)
-    k1_rot = cast(k1 * cos[None, :] - k2 * sin[None, :], k_ptr.dtype.element_ty)
-    k2_rot = cast(k2 * cos[None, :] + k1 * sin[None, :], k_ptr.dtype.element_ty)
-    tl.store(k_lo, k1_rot, mask=k_mask)
-    tl.store(k_lo + HALF, k2_rot, mask=k_mask)
+    k1_rot, k2_rot, k_tail = _rope_heads(
+        k_ptr + token * stride_kt, stride_kh, kh, kh_mask, half, half_mask, dims, tail_cols,
+        cos, sin, k_w_ptr, eps, HALF, HEAD_DIM, NORM, PARTIAL, K_TAIL,
+    )
 
     if STORE_KV:
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+            k_mask = kh_mask[:, None] & half_mask[None, :]
             dst_lo = dst + kh[:, None] * stride_ch + half[None, :]
             tl.store(k_cache_ptr + dst_lo, cast(k1_rot, k_cache_ptr.dtype.element_ty), mask=k_mask)
             tl.store(
                 k_cache_ptr + dst_lo + HALF, cast(k2_rot, k_cache_ptr.dtype.element_ty), mask=k_mask
             )
-            dims = tl.arange(0, DIM_PAD)
-            if 2 * HALF < HEAD_DIM:  # partial rotary: the un-rotated tail goes to the cache too
-                tail_mask = kh_mask[:, None] & ((dims >= 2 * HALF) & (dims < HEAD_DIM))[None, :]
-                tail = tl.load(
-                    k_ptr + token * stride_kt + kh[:, None] * stride_kh + dims[None, :],
-                    mask=tail_mask,
-                )
+            if PARTIAL:  # the un-rotated tail goes to the cache too
                 tl.store(
                     k_cache_ptr + dst + kh[:, None] * stride_ch + dims[None, :],
-                    cast(tail, k_cache_ptr.dtype.element_ty),
-                    mask=tail_mask,
+                    cast(k_tail, k_cache_ptr.dtype.element_ty),
+                    mask=kh_mask[:, None] & tail_cols[None, :],
                 )
             v_mask = kh_mask[:, None] & (dims < HEAD_DIM)[None, :]
             v = tl.load(
@@ -150,6 +217,25 @@ def _check_rotary_args(
     return device, rot_dim
 
 
+def _check_norm_weights(
+    q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, head_dim: int,
+    device: torch.device,
+) -> bool:
+    """Whether the per-head q/k norm is on; both weights or neither."""
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight go together: give both or neither")
+    if q_norm_weight is None or k_norm_weight is None:
+        return False
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        check_dtype(name, w, FLOAT_DTYPES)
+        check_shape(name, w, (head_dim,))
+        if w.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous")
+        if w.device != device:
+            raise ValueError(f"{name} is on another device than q")
+    return True
+
+
 def _launch(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -158,10 +244,16 @@ def _launch(
     v: torch.Tensor | None,
     kv_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor | None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> None:
     device, rot_dim = _check_rotary_args(positions, q, k, cos_sin_cache)
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    norm = _check_norm_weights(q_norm_weight, k_norm_weight, head_dim, device)
+    if not norm:  # placeholders: the NORM=False specialisation never touches them
+        q_norm_weight = k_norm_weight = q
     store = kv_cache is not None
     if store:
         assert v is not None and slot_mapping is not None
@@ -177,6 +269,7 @@ def _launch(
         cache_strides, v_strides, block_size = (0, 0, 0), (0, 0), 1
     if tokens == 0:
         return
+    partial = rot_dim < head_dim
     _rope_kernel.on(device)[(tokens,)](
         positions,
         q,
@@ -186,6 +279,9 @@ def _launch(
         k_cache,
         v_cache,
         slot_mapping,
+        q_norm_weight,
+        k_norm_weight,
+        float(eps),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -203,6 +299,11 @@ def _launch(
         DIM_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         STORE_KV=store,
+        NORM=norm,
+        PARTIAL=partial,
+        # The dims past the rotation are read when they are normalised or copied to the cache.
+        Q_TAIL=partial and norm,
+        K_TAIL=partial and (norm or store),
         num_warps=4,
     )
 
@@ -225,10 +326,18 @@ def rope_and_store_kv(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`apply_rotary` plus :func:`~tandem.kernels.kv_store.store_kv` of the rotated k and
-    of v in one pass (negative slots skip the cache write). Returns ``(q, k)``."""
-    _launch(positions, q, k, cos_sin_cache, v, kv_cache, slot_mapping)
+    of v in one pass (negative slots skip the cache write). Returns ``(q, k)``.
+
+    With ``q_norm_weight``/``k_norm_weight`` ``[D]`` (both or neither), every q and k head is
+    first RMS-normalised over its ``D`` dims with that weight and ``eps`` (Qwen3's per-head q/k
+    norm, with :func:`~tandem.kernels.norm.rmsnorm`'s roundings), all in the same kernel: q is
+    left normalised and rotated in place, k likewise in place and in the cache."""
+    _launch(positions, q, k, cos_sin_cache, v, kv_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
     return q, k
 
 
@@ -256,8 +365,14 @@ def rope_and_store_kv_reference(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch twin of :func:`rope_and_store_kv`: returns new ``(q, k)``, writes ``kv_cache``."""
+    if _check_norm_weights(q_norm_weight, k_norm_weight, q.shape[-1], q.device):
+        assert q_norm_weight is not None and k_norm_weight is not None
+        q, k = rmsnorm_reference(q, q_norm_weight, eps), rmsnorm_reference(k, k_norm_weight, eps)
     q_rot, k_rot = apply_rotary_reference(positions, q, k, cos_sin_cache)
     store_kv_reference(k_rot, v, kv_cache, slot_mapping)
     return q_rot, k_rot

@@ -123,8 +123,9 @@ class AttentionBackend(Protocol):
 
     `fused_layers`: the model built on this backend uses the fused Triton layer kernels
     (add + RMSNorm, SiLU·mul, merged projections) and calls `forward_rotary`, which applies
-    RoPE and stores K/V in one kernel. `supports_cuda_graphs`: `forward` has no host syncs
-    and no data-dependent shapes, so decode steps can be captured.
+    RoPE (after the per-head q/k norm, for Qwen3) and stores K/V in one kernel.
+    `supports_cuda_graphs`: `forward` has no host syncs and no data-dependent shapes, so decode
+    steps can be captured.
     """
 
     name: str
@@ -231,13 +232,19 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None = None,
+        k_norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
     ) -> torch.Tensor:
         """As `forward`, with q/k not yet rotated: the backend applies RoPE at
-        `metadata.positions` from `cos_sin_cache` while it stores K/V (fused backends only)."""
+        `metadata.positions` from `cos_sin_cache` while it stores K/V (fused backends only),
+        after RMS-normalising each q and k head with the given weights (both or neither)."""
         rotary = getattr(self.backend, "forward_rotary", None)
         if rotary is None:
             raise TypeError(f"attention backend {self.backend.name!r} cannot fuse RoPE")
-        out = rotary(q, k, v, kv_cache, metadata, self.scale, cos_sin_cache)
+        out = rotary(
+            q, k, v, kv_cache, metadata, self.scale, cos_sin_cache, q_norm_weight, k_norm_weight, eps
+        )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

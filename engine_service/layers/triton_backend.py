@@ -1,9 +1,10 @@
 """Paged attention on the Triton kernels of `tandem.kernels` (the CUDA path).
 
-One step = store this step's K/V into the paged cache (fused with RoPE when the model asks,
-`forward_rotary`), then attend: the split-KV decode kernel when every sequence brings exactly one
-token, the variable-length prefill kernel otherwise (it reads prefix-cache hits and earlier
-chunks straight from the pool, so chunked prefill needs no special case).
+One step = store this step's K/V into the paged cache (fused with RoPE, and with Qwen3's q/k
+norm, when the model asks: `forward_rotary`), then attend: the split-KV decode kernel when every
+sequence brings exactly one token, the variable-length prefill kernel otherwise (it reads
+prefix-cache hits and earlier chunks straight from the pool, so chunked prefill needs no special
+case).
 
 Nothing here reads a device tensor on the host: the kernels are sized from shapes and from the
 host-side lists of `AttentionMetadata` (`max_query_len`, `is_pure_decode`), so a step issues no
@@ -49,10 +50,17 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None = None,
+        k_norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
     ) -> torch.Tensor:
         """Rotate q and k in place at `metadata.positions` and store K/V in the same kernel, then
-        attend. `q`/`k`/`v` may be strided views of one fused projection output."""
-        rope_and_store_kv(metadata.positions, q, k, v, cos_sin_cache, kv_cache, metadata.slot_mapping)
+        attend. `q`/`k`/`v` may be strided views of one fused projection output. With the norm
+        weights the same kernel first RMS-normalises each q and k head (Qwen3's q/k norm)."""
+        rope_and_store_kv(
+            metadata.positions, q, k, v, cos_sin_cache, kv_cache, metadata.slot_mapping,
+            q_norm_weight, k_norm_weight, eps,
+        )
         return self._attend(q, kv_cache, metadata, scale)
 
     @staticmethod

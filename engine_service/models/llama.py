@@ -10,7 +10,8 @@ Parameter names match the Hugging Face checkpoints so safetensors load by name.
 Two op sets, chosen with the attention backend at construction (`backend.fused_layers`):
 the PyTorch one (the reference, and the CPU path) and the fused Triton one — q/k/v and gate/up
 each as one GEMM over merged weights (`layers/merged_linear.py`), add + RMSNorm, SiLU·mul and
-RoPE + KV store as single kernels. Both compute the same function with the same roundings.
+(q/k norm +) RoPE + KV store as single kernels. Both compute the same function with the same
+roundings.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, rope: RotaryInputs, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         # q, k, v are strided views of one [T, (H + 2 Hkv) * D] GEMM output; the kernels take
-        # them as they are (RoPE rotates q and k in place while it writes K/V to the cache).
+        # them as they are (RoPE rotates q and k in place while it writes K/V to the cache, and
+        # applies Qwen3's per-head q/k norm first, in the same kernel).
         t, d = x.shape[0], self.head_dim
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         q_end, k_end = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
@@ -131,7 +133,10 @@ class LlamaAttention(nn.Module):
         k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, d)
         v = qkv[:, k_end:].view(t, self.num_kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            return self.attn.forward_rotary(
+                q, k, v, kv_cache, metadata, rope.table,
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            )
         return self.attn.forward_rotary(q, k, v, kv_cache, metadata, rope.table)
 
 

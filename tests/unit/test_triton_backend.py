@@ -144,22 +144,27 @@ def test_fused_model_has_the_same_seeded_weights() -> None:
     assert torch.equal(mlp.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
 
 
-@pytest.fixture(scope="module")
-def qwen2_checkpoint(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
-    cfg = get_dummy_config("tiny-qwen2")
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def hf_checkpoint(request, tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    """A random HF checkpoint; its norm scales (Qwen3's per-head q/k norm too) are not 1."""
+    family = request.param
+    cfg = get_dummy_config(f"tiny-{family}")
     torch.manual_seed(5)
-    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg)).float().eval()
+    model_cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[family]
+    config_cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+    hf = model_cls(config_cls(**cfg)).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.1)
-    path = tmp_path_factory.mktemp("qwen2")
+    path = tmp_path_factory.mktemp(family)
     hf.save_pretrained(path)
     return hf, path
 
 
-def test_checkpoint_loads_into_merged_weights(qwen2_checkpoint) -> None:
-    """Loading by name writes through the views: the Triton runner matches Hugging Face."""
-    hf, path = qwen2_checkpoint
+def test_checkpoint_loads_into_merged_weights(hf_checkpoint) -> None:
+    """Loading by name writes through the views: the Triton runner matches Hugging Face (for
+    Qwen3 with the q/k norm fused into the RoPE kernel, reading the loaded norm weights)."""
+    hf, path = hf_checkpoint
     runner = ModelRunner(engine_config(str(path), "triton"))
     seq = Sequence("a", tokens(11, seed=1), SamplingParams())
     logits = runner.execute(Allocator().cover([Scheduled(seq, 11, True)]))
@@ -172,11 +177,32 @@ def test_checkpoint_loads_into_merged_weights(qwen2_checkpoint) -> None:
 # -------------------------------------------------------------------------- Triton vs torch runner
 
 
+def randomize_norm_weights(model: torch.nn.Module, seed: int) -> None:
+    """Norm scales away from the dummy loader's 1.0 (same values for the same architecture)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+
+
+def count_qk_norm_calls(model: torch.nn.Module) -> list[int]:
+    """Counts forward calls of the q_norm / k_norm modules (Qwen3) from now on."""
+    calls = [0]
+    for name, module in model.named_modules():
+        if name.endswith(("q_norm", "k_norm")):
+            module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
 @pytest.mark.parametrize("model", ["dummy:tiny-qwen3", "dummy:tiny-llama"])
 def test_triton_runner_matches_torch_runner(model: str) -> None:
     ref = ModelRunner(engine_config(model, "torch"))
     tri = ModelRunner(engine_config(model, "triton"))
     assert (ref.attention_backend, tri.attention_backend) == ("torch-reference", "triton")
+    for runner in (ref, tri):
+        randomize_norm_weights(runner.model, seed=7)
+    ref_qk_norms, tri_qk_norms = count_qk_norm_calls(ref.model), count_qk_norm_calls(tri.model)
     alloc = Allocator()
     a = Sequence("a", tokens(13, seed=2), SamplingParams())
     b = Sequence("b", tokens(10, seed=3), SamplingParams())
@@ -205,6 +231,8 @@ def test_triton_runner_matches_torch_runner(model: str) -> None:
     # Pure decode steps: the decode kernel, in a different batch order.
     step([Scheduled(b, 1, True), Scheduled(c, 1, True), Scheduled(a, 1, True)])
     step([Scheduled(c, 1, True), Scheduled(a, 1, True)])
+    # Qwen3's q/k norm: separate modules on the PyTorch path, inside the RoPE kernel on Triton's.
+    assert (ref_qk_norms[0] > 0, tri_qk_norms[0]) == ("qwen3" in model, 0)
 
 
 def test_decode_kernel_routing_and_fixed_splits(monkeypatch) -> None:
