@@ -2,6 +2,7 @@
 # One GPU session's measurements: install the carried wheels (see bench/results/README.md), then
 # run the named part(s) with a time bound each. Results land in $OUT (or ./gpu-out).
 # Usage on the GPU machine: bash bench/run_gpu.sh parity roofline serve-mux | throughput serve
+# (serving parts: serve, serve-mux, serve-scale, serve-scale-stream)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -18,6 +19,9 @@ for part in "$@"; do
     throughput) timeout 230 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload nanovllm --peer-num-prompts 64 --max-seconds 210 --out "$OUT" ;;
     serve) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --max-seconds 200 --out "$OUT" ;;
     serve-mux) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --max-seconds 200 --out "$OUT" ;;
+    # Four frontend processes on the port and four load-generator processes (see docs/operations.md).
+    serve-scale) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --frontend-workers 4 --client-procs 4 --max-seconds 200 --out "$OUT" ;;
+    serve-scale-stream) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport stream --frontend-workers 4 --client-procs 4 --max-seconds 200 --out "$OUT" ;;
   esac
   echo "=== $part exit $?"
 done 2>&1 | tee -a "$OUT/run.log"

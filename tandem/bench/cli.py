@@ -29,6 +29,22 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _ints_one(text: str) -> int:
+    values = _ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return values[0]
+
+
+def _count_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return _ints_one(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+
+
 def _shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for part in text.split(","):
@@ -115,6 +131,10 @@ def add_bench_parser(sub: Any) -> None:
     g.add_argument("--warmup-requests", type=int, default=8)
     g.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
                    help="frontend-engine transport of the served side")
+    g.add_argument("--frontend-workers", type=_ints_one, default=1,
+                   help="frontend processes of the served stack on one port (tandem serve --frontend-workers)")
+    g.add_argument("--client-procs", type=_count_or_auto, default=1,
+                   help="load-generator processes sharing each level's concurrency; 'auto' = min(4, cores // 4)")
     srv.set_defaults(fn=cmd_bench, bench_fn=_serve)
 
     ovh = bsub.add_parser("overhead", help="host (CPU) time per engine step at N running sequences, model-free")
@@ -217,7 +237,8 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         workload=args.workload, scale=args.scale, concurrencies=args.concurrency,
         requests_per_level=args.requests_per_level, level_seconds=args.level_seconds,
         startup_timeout=args.startup_timeout, tokenizer=args.tokenizer, in_process=not args.no_in_process,
-        warmup_requests=args.warmup_requests, engine_transport=args.engine_transport)
+        warmup_requests=args.warmup_requests, engine_transport=args.engine_transport,
+        frontend_workers=args.frontend_workers, client_procs=args.client_procs)
     serve.run_serve(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
     return serve.short_table
 

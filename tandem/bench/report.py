@@ -91,20 +91,26 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows), ""]
 
 
-def transport_of(data: dict[str, Any]) -> str:
-    """The frontend-engine transport of a serve run (runs before the option existed: stream)."""
+def served_stack_of(data: dict[str, Any]) -> tuple[str, int, int]:
+    """(engine transport, frontend workers, client processes) of a serve run; runs from before
+    these were recorded ran the stream transport, one frontend and one client process."""
     if data.get("kind") != "serve":
-        return ""
-    return (data.get("results", {}).get("options") or {}).get("engine_transport", "stream")
+        return ("", 0, 0)
+    res = data.get("results", {})
+    stack = res.get("served_stack") or {}
+    options = res.get("options") or {}
+    return (stack.get("engine_transport") or options.get("engine_transport", "stream"),
+            int(stack.get("frontend_workers") or 1), int(stack.get("client_procs") or 1))
 
 
 def latest_per_key(records: list[Record], kind: str) -> list[Record]:
     """The newest record of `kind` for each (model, device, variant); records are oldest first.
-    The variant is the served side's engine transport for `serve` runs (both are kept)."""
-    latest: dict[tuple[str, str, str], Record] = {}
+    The variant of a `serve` run is its served stack (transport, frontend workers, client
+    processes): each shape keeps its own rows."""
+    latest: dict[tuple[str, str, tuple[str, int, int]], Record] = {}
     for path, data in records:
         if data.get("kind") == kind:
-            latest[(data.get("model", ""), device_cell(data.get("env", {})), transport_of(data))] = (path, data)
+            latest[(data.get("model", ""), device_cell(data.get("env", {})), served_stack_of(data))] = (path, data)
     return sorted(latest.values(), key=lambda r: (r[1].get("model", ""), device_cell(r[1].get("env", {}))))
 
 
@@ -184,13 +190,14 @@ def serve_rows(records: list[Record]) -> tuple[list[list[Any]], list[str]]:
     for path, data in latest_per_key(records, "serve"):
         env, res = data.get("env", {}), data.get("results", {})
         w = res.get("workload") or {}
+        transport, workers, procs = served_stack_of(data)
         for level in res.get("levels", []):
             s, p = level.get("served") or {}, level.get("in_process") or {}
             done = f"{s.get('completed', 0)}/{level.get('num_requests', '?')}"
             if s.get("timed_out"):
                 done += " (timed out)"
             rows.append([
-                model_cell(data), device_cell(env), f"{w.get('name', '?')}, transport {transport_of(data)}",
+                model_cell(data), device_cell(env), w.get("name", "?"), transport, workers, procs,
                 level.get("concurrency"), done,
                 _triple(s.get("ttft_ms")), _triple(s.get("tpot_ms"), ".2f"), _triple(s.get("itl_ms"), ".2f"),
                 _num(s.get("output_tokens_per_s")), _num(p.get("output_tokens_per_s")),
@@ -198,7 +205,8 @@ def serve_rows(records: list[Record]) -> tuple[list[list[Any]], list[str]]:
                 commit_cell(env), versions_cell(env), f"`{path.name}`",
             ])
         if res.get("grpc_ttft_overhead_ms_c1") is not None:
-            notes.append(f"- {model_cell(data)} on {device_cell(env)}, transport {transport_of(data)}: "
+            notes.append(f"- {model_cell(data)} on {device_cell(env)}, transport {transport}, {workers} frontend "
+                         f"worker(s), {procs} client process(es): "
                          f"frontend + gRPC TTFT overhead at "
                          f"concurrency 1 = {res['grpc_ttft_overhead_ms_c1']:.2f} ms (served p50 − in-process p50)")
     return rows, notes
@@ -300,6 +308,15 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
         "output lengths, EOS ignored) on the same weights and requests; serving is compared with "
         "the in-process engine on the same requests at the same concurrency.",
         "",
+        "A serving run is one served stack: the frontend-engine transport (`--engine-transport`), "
+        "the frontend processes sharing the port (`--frontend-workers`, SO_REUSEPORT) and the "
+        "load-generator processes (`--client-procs`, `auto` = min(4, cores ÷ 4)), which split each "
+        "level's concurrency and whose per-request records are merged into one set of statistics; "
+        "each stack keeps its own rows. Runs from before these were recorded used one frontend and "
+        "one client process whose channels shared a single connection; every channel is now its "
+        "own connection, and with several frontend workers each client process dials until its "
+        "connections cover the workers evenly (the JSON's `frontend_spread` counts requests per worker).",
+        "",
         "Reproduce on a GPU machine (each run writes one JSON into `bench/results/`; commit it, then "
         "regenerate this page):",
         "",
@@ -307,6 +324,7 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
         "tandem bench roofline   --model dummy:qwen3-8b      # decode sweep 1..256 x 1k/8k, prefill 8x1024 and 1x8192",
         "tandem bench throughput --model dummy:qwen3-0.6b --workload nanovllm",
         "tandem bench serve      --model dummy:qwen3-0.6b --concurrency 1,16,64,256",
+        "tandem bench serve      --model dummy:qwen3-0.6b --engine-transport mux --frontend-workers 4 --client-procs 4",
         "tandem bench report",
         "```",
         "",
@@ -327,7 +345,8 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
                     throughput_rows(records))
     rows, notes = serve_rows(records)
     lines += ["## Serving over gRPC (frontend + engine)", ""]
-    lines += _table(["model", "device", "workload", "concurrency", "completed", "TTFT ms p50 / p90 / p99",
+    lines += _table(["model", "device", "workload", "transport", "frontend workers", "client procs", "concurrency",
+                     "completed", "TTFT ms p50 / p90 / p99",
                      "TPOT ms p50 / p90 / p99", "ITL ms p50 / p90 / p99", "out tok/s", "in-process out tok/s",
                      "served ÷ in-process", "commit", "versions", "result"], rows)
     if notes:

@@ -9,7 +9,10 @@ in-process engine on the same requests.
    starts when one ends) with pre-tokenized prompts, greedy, ignore_eos, max_tokens = the
    request's output length. Per request: TTFT (call start -> first token), TPOT ((last - first)
    / (tokens - 1)), ITL (gaps between messages that carry tokens; a message may carry several
-   coalesced tokens), end-to-end latency.
+   coalesced tokens), end-to-end latency. With `client_procs` > 1 the same loop runs in that
+   many processes and their records are merged (`serve_client.py`); with `frontend_workers` > 1
+   the served stack runs that many frontend processes on its port, and the client spreads its
+   connections over them.
 3. After the server stops, the same requests run through an in-process `LLMEngine` at the
    same concurrency (`engine_run.py`). ratio = gRPC output tok/s / in-process output tok/s;
    the gRPC TTFT overhead at concurrency 1 = served p50 TTFT - in-process p50 TTFT.
@@ -20,9 +23,7 @@ with another level's prompts.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import math
 import os
 import shutil
 import signal
@@ -31,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,13 +39,13 @@ from typing import Any
 import structlog
 
 from tandem.bench.results import BenchRecord, Deadline
-from tandem.bench.stats import summarize
+from tandem.bench.serve_client import ClientProcesses, auto_client_procs, probe_worker_pid_sync, run_level
 from tandem.bench.workloads import BenchRequest, make_workload, warmup_requests
 
 log = structlog.get_logger(__name__)
 
 FRONTEND_SERVICE = "tandem.v1.Frontend"
-STREAMS_PER_CHANNEL = 64
+WORKERS_TIMEOUT_S = 120.0  # after the first frontend worker serves, for the others to answer
 
 
 @dataclass
@@ -62,6 +62,11 @@ class ServeOptions:
     in_process: bool = True
     warmup_requests: int = 8
     engine_transport: str = "stream"  # frontend-engine transport of the served side
+    frontend_workers: int = 1  # `tandem serve --frontend-workers`
+    client_procs: int | str = 1  # load-generator processes, or "auto" (auto_client_procs())
+
+    def resolved_client_procs(self) -> int:
+        return auto_client_procs() if self.client_procs == "auto" else max(1, int(self.client_procs))
 
     def level_sizes(self) -> list[int]:
         if self.requests_per_level is not None:
@@ -135,6 +140,22 @@ class ServeProcess:
             channel.close()
         raise TimeoutError(f"tandem serve not serving after {timeout:.0f}s: {self.log_tail()}")
 
+    def wait_workers(self, count: int, timeout: float) -> list[int]:
+        """The pids of the frontend workers reached on new connections, until `count` of them
+        answer SERVING or `timeout` passes (extra workers listen only once ready, so right after
+        the first worker serves, every connection still reaches it)."""
+        start, pids, tag = time.monotonic(), set(), 0
+        while len(pids) < count and time.monotonic() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {self.proc.returncode}: {self.log_tail()}")
+            tag += 1
+            pid, serving = probe_worker_pid_sync(self.address, tag)
+            if pid is not None and serving:
+                pids.add(pid)
+            else:
+                time.sleep(0.1)
+        return sorted(pids)
+
     def log_tail(self, n: int = 2000) -> str:
         try:
             return self.log_path.read_bytes()[-n:].decode(errors="replace")
@@ -153,130 +174,6 @@ class ServeProcess:
         return self.proc.returncode
 
 
-# -- the client ------------------------------------------------------------------------------------
-
-
-@dataclass
-class ClientTiming:
-    """One streamed request as the client saw it (perf_counter seconds)."""
-
-    start: float
-    prompt_len: int
-    target_output_len: int
-    tokens: int = 0
-    chunks: int = 0
-    first: float | None = None
-    last: float | None = None
-    itl: list[float] = field(default_factory=list)
-    done: bool = False
-    error: str | None = None
-
-
-async def _stream_one(stub: Any, rid: str, req: BenchRequest, timing: ClientTiming) -> None:
-    import grpc
-
-    from tandem.v1 import common_pb2, frontend_pb2
-
-    msg = frontend_pb2.GenerateRequest(
-        request_id=rid,
-        prompt_token_ids=req.prompt_token_ids,
-        sampling=common_pb2.SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True),
-    )
-    timing.start = time.perf_counter()
-    try:
-        async for resp in stub.Stream(msg):
-            now = time.perf_counter()
-            n = sum(len(c.token_ids) for c in resp.choices)
-            if not n:
-                continue
-            if timing.first is None:
-                timing.first = now
-            else:
-                timing.itl.append(now - timing.last)
-            timing.last = now
-            timing.tokens += n
-            timing.chunks += 1
-        timing.done = True
-    except grpc.aio.AioRpcError as exc:
-        timing.error = f"{exc.code().name}: {exc.details()}"
-
-
-async def _run_level_async(address: str, requests: SequenceOf[BenchRequest], concurrency: int,
-                           seconds: float, prefix: str) -> tuple[list[ClientTiming], float, float, bool]:
-    import grpc
-
-    from tandem.v1 import frontend_pb2_grpc
-
-    n_channels = max(1, math.ceil(concurrency / STREAMS_PER_CHANNEL))
-    opts = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20)]
-    channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(n_channels)]
-    stubs = [frontend_pb2_grpc.FrontendStub(ch) for ch in channels]
-    sem = asyncio.Semaphore(concurrency)
-    timings = [ClientTiming(start=0.0, prompt_len=len(r.prompt_token_ids), target_output_len=r.output_len)
-               for r in requests]
-
-    async def worker(i: int, req: BenchRequest) -> None:
-        async with sem:
-            await _stream_one(stubs[i % n_channels], f"{prefix}-{i}", req, timings[i])
-
-    cpu0, start = time.process_time(), time.perf_counter()
-    tasks = [asyncio.create_task(worker(i, r)) for i, r in enumerate(requests)]
-    _, pending = await asyncio.wait(tasks, timeout=max(seconds, 0.1))
-    timed_out = bool(pending)
-    for t in pending:
-        t.cancel()  # cancels the gRPC call: the frontend aborts the request in the engine
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
-    ends = [t.last for t in timings if t.done and t.last is not None]
-    end = time.perf_counter() if timed_out or not ends else max(ends)
-    cpu = time.process_time() - cpu0
-    for ch in channels:
-        await ch.close()
-    return timings, end - start, cpu, timed_out
-
-
-def summarize_client(timings: list[ClientTiming], elapsed: float, client_cpu_s: float, timed_out: bool,
-                     concurrency: int) -> dict[str, Any]:
-    """Latency percentiles and throughput of one level, from the client's clock."""
-    done = [t for t in timings if t.done]
-    started = [t for t in timings if t.start > 0]
-    tokens = sum(t.tokens for t in timings)
-    el = max(elapsed, 1e-9)
-    tpot = [(t.last - t.first) / (t.tokens - 1) for t in done if t.tokens > 1]
-    errors = [t.error for t in timings if t.error]
-    return {
-        "concurrency": concurrency,
-        "num_requests": len(timings),
-        "started": len(started),
-        "completed": len(done),
-        "failed": len(errors),
-        "errors": errors[:5],
-        "timed_out": timed_out,
-        "elapsed_s": elapsed,
-        "input_tokens": sum(t.prompt_len for t in timings if t.tokens > 0),
-        "output_tokens": tokens,
-        "output_tokens_per_s": tokens / el,
-        "requests_per_s": len(done) / el,
-        "ttft_ms": summarize([t.first - t.start for t in done if t.first is not None], 1e3),
-        "tpot_ms": summarize(tpot, 1e3),
-        "itl_ms": summarize([x for t in done for x in t.itl], 1e3),
-        "e2e_ms": summarize([t.last - t.start for t in done if t.last is not None], 1e3),
-        "tokens_per_message": (sum(t.tokens for t in done) / max(sum(t.chunks for t in done), 1)) if done else None,
-        "requests_not_at_target_length": sum(1 for t in done if t.tokens != t.target_output_len),
-        "client_cpu_s": client_cpu_s,
-        # Near 1.0 the Python client itself is the bottleneck, not the server.
-        "client_cpu_fraction": client_cpu_s / el,
-    }
-
-
-def run_level(address: str, requests: SequenceOf[BenchRequest], concurrency: int, seconds: float,
-              prefix: str = "bench") -> dict[str, Any]:
-    """Drive one concurrency level to completion (or `seconds`); its summary."""
-    timings, elapsed, cpu, timed_out = asyncio.run(
-        _run_level_async(address, requests, concurrency, seconds, prefix))
-    return summarize_client(timings, elapsed, cpu, timed_out, concurrency)
-
-
 # -- the benchmark ---------------------------------------------------------------------------------
 
 
@@ -287,6 +184,11 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
 
     res = record.results
     res["options"] = dict(vars(options))
+    # The served stack's shape, read by `tandem bench report` (runs without it: stream, 1, 1).
+    res["served_stack"] = {"engine_transport": options.engine_transport,
+                           "frontend_workers": options.frontend_workers,
+                           "client_procs": options.resolved_client_procs(),
+                           "client_procs_requested": options.client_procs}
     resolved = resolve_model(engine_config.model.model, engine_config.model.cache_dir)
     vocab = int(resolved.config["vocab_size"])
     max_len = engine_config.model.max_model_len or resolved.config.get("max_position_embeddings")
@@ -312,9 +214,9 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
             res["tokenizer"] = "word-level stand-in (token i <-> 't<i>') covering the model's vocabulary"
         else:
             res["tokenizer"] = tokenizer
-        _served_levels(record, engine_flags + ["--tokenizer", tokenizer, "--engine-transport", options.engine_transport],
-                       slices, warm, options, deadline,
-                       log_dir or tmp)
+        serve_args = engine_flags + ["--tokenizer", tokenizer, "--engine-transport", options.engine_transport,
+                                     "--frontend-workers", str(options.frontend_workers)]
+        _served_levels(record, serve_args, slices, warm, options, deadline, log_dir or tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if options.in_process:
@@ -341,26 +243,46 @@ def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list
     with record.stage("serve_start"):
         log_path = Path(log_dir) / "tandem-serve.log"
         server = ServeProcess(serve_args, log_path)
-        res["server"] = {"argv": server.argv[1:], "startup_s": server.wait_serving(
-            min(options.startup_timeout, max(deadline.remaining(), 1.0)))}
+        started = time.monotonic()
+        startup_s = server.wait_serving(min(options.startup_timeout, max(deadline.remaining(), 1.0)))
+        # The extra workers load what the first one loaded, so they follow it within seconds.
+        pids = server.wait_workers(options.frontend_workers, min(WORKERS_TIMEOUT_S, max(deadline.remaining(), 1.0)))
+        res["server"] = {"argv": server.argv[1:], "startup_s": startup_s,
+                         "frontend_workers": {"requested": options.frontend_workers, "reached": len(pids),
+                                              "pids": pids, "all_listening_s": round(time.monotonic() - started, 3)}}
+        if len(pids) < options.frontend_workers:
+            log.warning("not every frontend worker answered; the levels use those that did",
+                        requested=options.frontend_workers, reached=len(pids))
     if server is None or "server" not in res:
         if server is not None:
             server.stop()
         return
+    worker_pids = res["server"]["frontend_workers"]["pids"]
+    clients = None
     try:
+        procs = options.resolved_client_procs()
+        if procs > 1:
+            with record.stage("client_start"):
+                clients = ClientProcesses(server.address, procs)
+            if clients is None:
+                return
         with record.stage("serve_warmup"):
             t0 = time.perf_counter()
-            w = run_level(server.address, warm, min(len(warm), 8), deadline.sub(seconds=options.level_seconds).remaining(),
-                          prefix="warmup")
+            w = run_level(server.address, warm, max(min(len(warm), 8), procs),
+                          deadline.sub(seconds=options.level_seconds).remaining(), prefix="warmup",
+                          worker_pids=worker_pids, clients=clients)
             res["server"]["warmup"] = {"seconds": round(time.perf_counter() - t0, 3), "completed": w["completed"]}
         for level, requests, c in _levels_within_budget(record, levels, slices, "served", deadline):
             with record.stage(f"serve_c{c}"):
                 budget = deadline.sub(seconds=options.level_seconds, fraction=0.5 if options.in_process else None)
-                level["served"] = run_level(server.address, requests, c, budget.remaining(), prefix=f"c{c}")
-                record.incomplete |= level["served"]["timed_out"]
+                level["served"] = run_level(server.address, requests, c, budget.remaining(), prefix=f"c{c}",
+                                            worker_pids=worker_pids, clients=clients)
+                record.incomplete |= level["served"]["timed_out"] or bool(level["served"].get("client_errors"))
                 log.info("serve level", concurrency=c, output_tok_s=round(level["served"]["output_tokens_per_s"], 1),
                          ttft_p50_ms=level["served"]["ttft_ms"]["p50"])
     finally:
+        if clients is not None:
+            clients.close()
         rc = server.stop()
         res["server"]["exit_code"] = rc
         if record.errors:
@@ -413,7 +335,8 @@ def short_table(results: dict[str, Any]) -> list[str]:
         return "-" if v is None else format(v, spec)
 
     lines = [f"{'conc':>5} {'done':>9} {'TTFT p50/p99 ms':>17} {'TPOT p50 ms':>11} {'ITL p99 ms':>10} "
-             f"{'out tok/s':>10} {'in-proc':>10} {'ratio':>6}"]
+             f"{'out tok/s':>10} {'in-proc':>10} {'ratio':>6} {'client cpu':>10}"]
+    spread_lines = []
     for level in results.get("levels", []):
         s, p = level.get("served", {}), level.get("in_process", {})
         ttft, tpot, itl = s.get("ttft_ms", {}), s.get("tpot_ms", {}), s.get("itl_ms", {})
@@ -421,7 +344,17 @@ def short_table(results: dict[str, Any]) -> list[str]:
         lines.append(f"{level['concurrency']:>5} {done:>9} {f(ttft.get('p50')) + '/' + f(ttft.get('p99')):>17} "
                      f"{f(tpot.get('p50'), '.2f'):>11} {f(itl.get('p99'), '.2f'):>10} "
                      f"{f(s.get('output_tokens_per_s')):>10} {f(p.get('output_tokens_per_s')):>10} "
-                     f"{f(level.get('ratio_output_tokens_per_s'), '.2f'):>6}")
+                     f"{f(level.get('ratio_output_tokens_per_s'), '.2f'):>6} {f(s.get('client_cpu_fraction'), '.2f'):>10}")
+        spread = s.get("frontend_spread") or {}
+        if spread.get("frontend_workers", 1) > 1:
+            per = "/".join(str(n) for n in spread.get("requests_per_worker", {}).values())
+            spread_lines.append(f"  c{level['concurrency']}: requests per frontend worker {per}"
+                                f"{'' if spread.get('balanced') else ' (connections not spread as meant)'}")
+    stack = results.get("served_stack") or {}
+    if stack:
+        lines.append(f"transport {stack.get('engine_transport')}, {stack.get('frontend_workers')} frontend worker(s), "
+                     f"{stack.get('client_procs')} client process(es); client cpu = busiest client process")
+    lines += spread_lines
     if "grpc_ttft_overhead_ms_c1" in results:
         lines.append(f"gRPC + frontend TTFT overhead at concurrency 1: {results['grpc_ttft_overhead_ms_c1']:.2f} ms (p50)")
     return lines

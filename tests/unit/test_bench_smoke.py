@@ -5,6 +5,7 @@ serving run through a real `tandem serve`, and the report generated from synthet
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,88 @@ def test_serve_through_grpc_and_in_process(tmp_path, one_torch_thread, monkeypat
         assert level["ratio_output_tokens_per_s"] == pytest.approx(
             served["output_tokens_per_s"] / local["output_tokens_per_s"])
     assert "grpc_ttft_overhead_ms_c1" in res
+    assert res["served_stack"] == {"engine_transport": "stream", "frontend_workers": 1, "client_procs": 1,
+                                   "client_procs_requested": 1}
+    for level in levels:  # one process, one frontend: every request on the one worker
+        spread = level["served"]["frontend_spread"]
+        assert spread["workers_used"] == 1 and spread["balanced"]
+        assert list(spread["requests_per_worker"]) == [str(p) for p in res["server"]["frontend_workers"]["pids"]]
+
+
+def test_serve_merges_client_processes_over_two_frontend_workers(tmp_path, one_torch_thread, monkeypatch):
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "1")
+    # Concurrency 3 over 2 client processes: 2 + 1 slots; 7 requests: the shared counter hands
+    # them out in order wherever a slot frees up.
+    rc, data = _run_bench("serve", "--model", TINY, "--concurrency", "3", "--requests-per-level", "7",
+                          "--scale", "0.03", "--warmup-requests", "2", "--cpu-kv-cache-gb", "0.01",
+                          "--level-seconds", "120", "--no-in-process", "--client-procs", "2",
+                          "--frontend-workers", "2", "--out", str(tmp_path))
+    assert rc == 0, data["errors"]
+    res = data["results"]
+    assert res["server"]["exit_code"] == 0
+    assert res["served_stack"] == {"engine_transport": "stream", "frontend_workers": 2, "client_procs": 2,
+                                   "client_procs_requested": 2}
+    workers = res["server"]["frontend_workers"]
+    assert workers["requested"] == workers["reached"] == 2 and len(set(workers["pids"])) == 2
+    assert "--frontend-workers" in res["server"]["argv"]
+    share = make_workload("nanovllm", vocab_size=320, num_prompts=7, scale=0.03, max_model_len=512).requests
+    served = res["levels"][0]["served"]
+    # Every request sent is in the merged records exactly once, at its full length.
+    assert served["num_requests"] == served["started"] == served["completed"] == 7
+    assert served["failed"] == 0 and not served["timed_out"] and "client_errors" not in served
+    assert served["client_procs"] == 2
+    assert served["output_tokens"] == sum(r.output_len for r in share)
+    assert served["input_tokens"] == sum(len(r.prompt_token_ids) for r in share)
+    assert served["requests_not_at_target_length"] == 0
+    assert served["ttft_ms"]["count"] == served["e2e_ms"]["count"] == 7
+    assert served["tpot_ms"]["count"] == sum(1 for r in share if r.output_len > 1)
+    assert 0 < served["itl_ms"]["count"] <= served["output_tokens"] - 7
+    assert 0 < served["ttft_ms"]["p50"] <= served["e2e_ms"]["p50"] <= served["elapsed_s"] * 1e3
+    assert served["output_tokens_per_s"] == pytest.approx(served["output_tokens"] / served["elapsed_s"])
+    assert 0 < served["client_cpu_fraction"] and served["client_cpu_s"] > 0
+    # Both frontend workers served, on the connections meant for them.
+    spread = served["frontend_spread"]
+    assert spread["frontend_workers"] == 2 and spread["balanced"] and spread["workers_used"] == 2
+    assert set(spread["requests_per_worker"]) == {str(p) for p in workers["pids"]}
+    assert sum(spread["requests_per_worker"].values()) == 7
+    assert sum(spread["output_tokens_per_worker"].values()) == served["output_tokens"]
+    assert spread["connections"] == 3  # one per (process, worker) its slots are meant for
+
+
+def test_slot_plans_spread_concurrency_over_processes_and_workers():
+    from tandem.bench.serve_client import auto_client_procs, plan_slots
+
+    plans = plan_slots(10, 4, [101, 102, 103])
+    assert [len(p) for p in plans] == [3, 3, 2, 2]  # the remainder goes to the first processes
+    assert plans[0] == [101, 102, 103] and plans[1] == [102, 103, 101]  # each starts at another worker
+    per_worker = Counter(w for p in plans for w in p)
+    assert max(per_worker.values()) - min(per_worker.values()) <= 1
+    assert plan_slots(1, 4, [7, 8]) == [[7]]  # never more processes than slots
+    assert plan_slots(3, 1, []) == [[None, None, None]]  # no known workers: any
+    assert [auto_client_procs(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 2, 4, 4]
+
+
+def test_merged_client_records_read_like_one_process():
+    from tandem.bench.serve_client import ClientTiming, ShareResult, merge_shares
+    from tandem.bench.workloads import BenchRequest
+
+    requests = [BenchRequest([1, 2, 3], 3) for _ in range(4)]
+
+    def timing(start: float) -> ClientTiming:
+        return ClientTiming(start=start, prompt_len=3, target_output_len=3, tokens=3, chunks=3, first=start + 0.1,
+                            last=start + 0.3, itl=[0.1, 0.1], done=True)
+
+    a = ShareResult({0: timing(10.0), 2: timing(10.3)}, {0: 1, 2: 1}, [1], True, 10.0, 10.6, 0.2, False)
+    b = ShareResult({1: timing(10.05)}, {1: 2}, [2], True, 10.05, 10.35, 0.5, False)
+    s = merge_shares(requests, [a, b], [], 3, 2, 2)
+    assert s["num_requests"] == 4 and s["started"] == s["completed"] == 3  # request 3 never started
+    assert s["elapsed_s"] == pytest.approx(0.6)  # first start of any process to the last end
+    assert s["output_tokens"] == 9 and s["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert s["itl_ms"]["count"] == 6 and s["tpot_ms"]["p50"] == pytest.approx(100.0)
+    assert s["client_cpu_s"] == pytest.approx(0.7)
+    assert s["client_cpu_fraction"] == pytest.approx(0.5 / 0.6)  # the busiest process
+    assert s["frontend_spread"]["requests_per_worker"] == {"1": 2, "2": 1}
+    assert s["frontend_spread"]["output_tokens_per_worker"] == {"1": 6, "2": 3}
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -265,11 +348,18 @@ def test_report_tables_carry_device_commit_workload_and_ratio(tmp_path):
                       ("throughput-qwen3-0.6b-1.json", _synthetic("throughput", "dummy:qwen3-0.6b", throughput, "2030-01-01T00:00:01Z")),
                       ("serve-qwen3-0.6b-1.json", _synthetic("serve", "dummy:qwen3-0.6b", serve, "2030-01-01T00:00:02Z"))):
         (results / name).write_text(json.dumps(doc))
+    # A later run of another served stack keeps its own rows; the run above (recorded before
+    # the stack was) reads as stream transport, one frontend worker, one client process.
+    scaled = json.loads(json.dumps(serve))
+    scaled["served_stack"] = {"engine_transport": "mux", "frontend_workers": 4, "client_procs": 4}
+    scaled["levels"][0]["ratio_output_tokens_per_s"] = 0.93
+    (results / "serve-qwen3-0.6b-2.json").write_text(
+        json.dumps(_synthetic("serve", "dummy:qwen3-0.6b", scaled, "2030-01-01T00:00:03Z")))
     (results / "notes.json").write_text("{not json")  # skipped, not fatal
 
     md, png = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "benchmarks_decode.png"
     out = build_report(results, md, png)
-    assert out["results"] == 3
+    assert out["results"] == 4
     text = md.read_text()
     # Only the host-overhead table (no such result here) is empty.
     assert text.count("not measured yet") == 1
@@ -282,11 +372,13 @@ def test_report_tables_carry_device_commit_workload_and_ratio(tmp_path):
         return found[0]
 
     for needles in ((" 1 | 1024 ", "85.0%", "89.5%", "decode-sweep"), (" 16 | 1024 ", "80.0%"),
-                    ("prefill 8x1024", "40.0%"), ("nanovllm (256 req)", "1.50×"), ("| 16 |", "0.95×")):
+                    ("prefill 8x1024", "40.0%"), ("nanovllm (256 req)", "1.50×"),
+                    ("| stream | 1 | 1 | 16 |", "0.95×"), ("| mux | 4 | 4 | 16 |", "0.93×")):
         row = row_with(*needles)
         assert "Test GPU 141GB" in row and "`0123456789`" in row and "torch 9.9.0" in row
     assert "skipped" in row_with(" 256 | 8192 ")
     assert "20.0 / 30.0 / 40.0" in row_with("| 16 |", "0.95×")
+    assert "transport stream, 1 frontend worker(s), 1 client process(es): frontend + gRPC TTFT overhead" in text
     assert "1.25 ms" in text
     assert "](benchmarks_decode.png)" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
