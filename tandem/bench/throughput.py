@@ -41,6 +41,7 @@ class ThroughputOptions:
     peer_num_prompts: int | None = None  # None: the whole workload
     warmup_requests: int = 8
     peer_cb_config: dict[str, Any] | None = None  # ContinuousBatchingConfig fields for the peer
+    engine_share: float = 0.45  # of the time left, for the engine's full-workload run (with a peer)
 
 
 def engine_info(engine: Any) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def run_throughput(record: BenchRecord, engine_config: Any, options: ThroughputO
         res["engine"]["warmup"] = warm_up(engine, warmup_requests(engine.vocab_size, options.warmup_requests),
                                           deadline.sub(fraction=0.2))
     with record.stage("engine"):
-        run = run_engine(engine, workload.requests, deadline=deadline.sub(fraction=0.45 if options.peer else 1.0))
+        run = run_engine(engine, workload.requests, deadline=deadline.sub(fraction=options.engine_share if options.peer else 1.0))
         res["ours"] = run.summary()
         record.incomplete |= run.timed_out
     ours_matched = res.get("ours")
