@@ -153,7 +153,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new == 0 or (seq.num_pending_tokens and seq.reached_length_limit(self.max_model_len)):
+            if num_new == 0 or self._ends_with_pending_token(seq):
                 i += 1
                 continue
             while not self.block_manager.allocate(seq, num_new):
@@ -173,9 +173,20 @@ class Scheduler:
                 i += 1
         return budget
 
+    def _ends_with_pending_token(self, seq: Sequence) -> bool:
+        """Its pending token (overlapped scheduling) already reaches a length limit: it needs no
+        further step and leaves `running` when that token is confirmed."""
+        return seq.num_pending_tokens > 0 and seq.reached_length_limit(self.max_model_len)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if not self.waiting:
+            return
+        # Sequences about to end by length give up their slot now, as they would have without
+        # overlap (`running` may exceed max_num_seqs until their tokens are confirmed).
+        free_slots = self.config.max_num_seqs - len(self.running)
+        free_slots += sum(1 for seq in self.running if self._ends_with_pending_token(seq))
+        while self.waiting and budget > 0 and free_slots > 0:
             seq = self.waiting[0]
             if seq.num_tokens > self.max_model_len:
                 self.waiting.popleft()
@@ -198,6 +209,7 @@ class Scheduler:
             self.running.append(seq)
             self._add_scheduled(out, seq, num_new)
             budget -= num_new
+            free_slots -= 1
 
     @staticmethod
     def _add_scheduled(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:

@@ -34,15 +34,16 @@ def _git(*args: str) -> str | None:
 
 
 def git_commit() -> tuple[str, str, bool | None]:
-    """(commit, source, dirty): `git rev-parse HEAD` of this checkout, else `$TANDEM_GIT_COMMIT`
-    (copies of the tree without `.git`, e.g. on a GPU machine), else "unknown"."""
+    """(commit, source, dirty): `$TANDEM_GIT_COMMIT` when set (an explicit statement wins: copies of
+    the tree on a GPU machine may carry a stale `.git`), else `git rev-parse HEAD` of this
+    checkout, else "unknown"."""
+    env = os.environ.get("TANDEM_GIT_COMMIT", "").strip()
+    if env:
+        return env, "env:TANDEM_GIT_COMMIT", None
     head = _git("rev-parse", "HEAD")
     if head:
         status = _git("status", "--porcelain", "--untracked-files=no")
         return head, "git", (bool(status) if status is not None else None)
-    env = os.environ.get("TANDEM_GIT_COMMIT", "").strip()
-    if env:
-        return env, "env:TANDEM_GIT_COMMIT", None
     return "unknown", "none", None
 
 

@@ -242,3 +242,28 @@ def test_padded_graph_buffers_read_pending_tokens() -> None:
     graphs.run = lambda host, *a: calls.append(host.pending_dst.size) or original(host, *a)
     compare(reference, run_all(engine, requests))
     assert calls and max(calls) > 0  # decode steps went through the graph runner with pending inputs
+
+
+def test_length_limited_requests_batch_exactly_as_without_overlap(runner) -> None:
+    """A sequence whose pending token ends it gives up its slot at once: with more requests than
+    `max_num_seqs`, every launched batch is the same as without overlap (the GPU check relies on
+    this to demand identical tokens), only the empty wind-down steps differ."""
+    requests = [(f"r{i}", prompt(i, 6 + i % 3), SamplingParams(max_tokens=3 + i % 4, temperature=0.0, ignore_eos=True))
+                for i in range(10)]
+    batches = {}
+    for mode in ("off", "on"):
+        log = batches[mode] = []
+        original = runner.execute
+
+        def recording(batch, previous_tokens=None, _log=log, _original=original):
+            _log.append([(item.seq.request_id, item.num_new_tokens) for item in batch])
+            return _original(batch, previous_tokens)
+
+        runner.execute = recording
+        try:
+            engine = LLMEngine(make_config(mode, max_num_seqs=3, max_batched=16), runner=runner)
+            run_all(engine, requests)
+        finally:
+            del runner.execute
+        assert_idle(engine)
+    assert batches["on"] == batches["off"]
