@@ -18,13 +18,13 @@ for part in "$@"; do
     parity) timeout 200 $PY -m tandem.gpu_checks.model_parity --out "$OUT" ;;
     roofline) timeout 200 $PY -m tandem.cli bench roofline --model dummy:qwen3-8b --max-model-len 8192 --max-seconds 180 --out "$OUT" ;;
     roofline-llama) timeout 200 $PY -m tandem.cli bench roofline --model dummy:llama-3.1-8b --max-model-len 8192 --max-seconds 180 --out "$OUT" ;;
-    throughput) timeout 230 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload nanovllm --peer-num-prompts 64 --max-seconds 210 --out "$OUT" ;;
+    throughput) timeout 200 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload nanovllm --peer-num-prompts 64 --max-seconds 185 --out "$OUT" ;;
     # 1000 x 1024/1024: the engine may take 70 % of the time left, the 8-request peer the rest.
     random-1k) timeout 580 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload random-1k --peer-num-prompts 8 --engine-share 0.7 --max-seconds 560 --out "$OUT" ;;
     serve) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --max-seconds 200 --out "$OUT" ;;
     serve-mux) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --max-seconds 200 --out "$OUT" ;;
     # Four frontend processes on the port and four load-generator processes (see docs/operations.md).
-    serve-scale) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --frontend-workers 4 --client-procs 4 --max-seconds 200 --out "$OUT" ;;
+    serve-scale) timeout 225 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --frontend-workers 4 --client-procs 4 --max-seconds 200 --out "$OUT" ;;
     serve-scale-stream) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport stream --frontend-workers 4 --client-procs 4 --max-seconds 200 --out "$OUT" ;;
   esac
   echo "=== $part exit $?"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,7 +43,6 @@ class EngineServerOptions:
     metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
     reflection: bool = False  # serve grpc.reflection
     fail_after_steps: int | None = None  # testing only: inject a fatal engine error
-    gil_switch_interval_ms: float | None = 0.5  # sys.setswitchinterval for this process; None: Python's
 
 
 def model_info(engine: LLMEngine) -> dict:
@@ -150,12 +148,6 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
 
 
 def run_engine(config: EngineConfig, options: EngineServerOptions) -> int:
-    if options.gil_switch_interval_ms is not None:
-        if options.gil_switch_interval_ms <= 0:
-            raise SystemExit("tandem: --gil-switch-interval-ms must be > 0")
-        # The engine thread waits on the device with the GIL released; when it wakes, a busy
-        # gRPC thread would otherwise keep the GIL for up to 5 ms while the GPU idles.
-        sys.setswitchinterval(options.gil_switch_interval_ms / 1000.0)
     torch_threads = os.environ.get("TANDEM_TORCH_THREADS")
     if torch_threads:
         import torch

@@ -37,10 +37,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="build and launch the next step while the current one runs on the device; "
                         "auto: on for CUDA (default: %(default)s)")
-    g.add_argument("--gil-switch-interval-ms", type=float, default=0.5,
-                   help="engine process: how long a Python thread may hold the GIL while another waits "
-                        "(Python's default is 5 ms); short keeps the engine thread from waiting behind the "
-                        "gRPC threads between steps (default: %(default)s)")
 
 
 def _engine_config(args):
@@ -68,8 +64,7 @@ def _engine_flags(args) -> list[str]:
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-waiting-requests", str(args.max_waiting_requests), "--max-waiting-tokens", str(args.max_waiting_tokens),
            "--seed", str(args.seed), "--attention-backend", args.attention_backend,
-           "--overlap-scheduling", args.overlap_scheduling,
-           "--gil-switch-interval-ms", str(args.gil_switch_interval_ms)]
+           "--overlap-scheduling", args.overlap_scheduling]
     for flag, value in (("--max-model-len", args.max_model_len), ("--num-kv-blocks", args.num_kv_blocks),
                         ("--cache-dir", args.cache_dir)):
         if value is not None:
@@ -129,7 +124,6 @@ def cmd_engine(args) -> int:
                                                                 drain_timeout=args.drain_timeout,
                                                                 security=_security(args), reflection=args.enable_reflection,
                                                                 fail_after_steps=_fault_after_steps(),
-                                                                gil_switch_interval_ms=args.gil_switch_interval_ms,
                                                                 **_metrics_options(args)))
 
 
