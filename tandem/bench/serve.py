@@ -275,8 +275,11 @@ def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list
         for level, requests, c in _levels_within_budget(record, levels, slices, "served", deadline):
             with record.stage(f"serve_c{c}"):
                 budget = deadline.sub(seconds=options.level_seconds, fraction=0.5 if options.in_process else None)
+                before = _engine_counters(server.address)
                 level["served"] = run_level(server.address, requests, c, budget.remaining(), prefix=f"c{c}",
                                             worker_pids=worker_pids, clients=clients)
+                level["served"]["engine"] = _engine_delta(before, _engine_counters(server.address),
+                                                          level["served"]["elapsed_s"])
                 record.incomplete |= level["served"]["timed_out"] or bool(level["served"].get("client_errors"))
                 log.info("serve level", concurrency=c, output_tok_s=round(level["served"]["output_tokens_per_s"], 1),
                          ttft_p50_ms=level["served"]["ttft_ms"]["p50"])
@@ -287,6 +290,32 @@ def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list
         res["server"]["exit_code"] = rc
         if record.errors:
             res["server"]["log_tail"] = server.log_tail()
+
+
+def _engine_counters(address: str) -> dict[str, float] | None:
+    """The served engine's step and token counters (Utility `stats` through the frontend)."""
+    from tandem.client import TandemClient
+
+    try:
+        with TandemClient(address) as client:
+            engines = client.utility("stats", timeout=10.0)["engines"]
+    except Exception as exc:  # noqa: BLE001 - a diagnostic; the level's figures stand without it
+        log.warning("engine stats unavailable", error=str(exc))
+        return None
+    keys = ("steps_total", "generation_tokens_total", "prompt_tokens_total")
+    return {k: float(sum(e.get(k, 0) for e in engines.values())) for k in keys}
+
+
+def _engine_delta(before: dict | None, after: dict | None, elapsed_s: float) -> dict[str, Any] | None:
+    """What the engine did during a level: steps, tokens per step and mean wall time per step
+    (compare with the in-process level's `steps`: a slower step vs. more, smaller steps)."""
+    if before is None or after is None:
+        return None
+    steps = after["steps_total"] - before["steps_total"]
+    out = after["generation_tokens_total"] - before["generation_tokens_total"]
+    return {"steps": int(steps), "generation_tokens": int(out),
+            "generation_tokens_per_step": round(out / steps, 2) if steps else None,
+            "ms_per_step": round(1000.0 * elapsed_s / steps, 3) if steps else None}
 
 
 def _in_process_levels(record: BenchRecord, engine_config: Any, slices: list[list[BenchRequest]],

@@ -216,6 +216,9 @@ def test_serve_through_grpc_and_in_process(tmp_path, one_torch_thread, monkeypat
         assert served["ttft_ms"]["p50"] > 0 and served["e2e_ms"]["count"] == 2
         assert level["ratio_output_tokens_per_s"] == pytest.approx(
             served["output_tokens_per_s"] / local["output_tokens_per_s"])
+        engine = served["engine"]  # the served engine's own counters over the level
+        assert engine["generation_tokens"] == served["output_tokens"]
+        assert 0 < engine["steps"] <= served["output_tokens"] + len(share) * 40  # prefill chunks add steps
     assert "grpc_ttft_overhead_ms_c1" in res
     assert res["served_stack"] == {"engine_transport": "stream", "frontend_workers": 1, "client_procs": 1,
                                    "client_procs_requested": 1}
