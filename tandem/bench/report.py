@@ -103,15 +103,25 @@ def served_stack_of(data: dict[str, Any]) -> tuple[str, int, int]:
             int(stack.get("frontend_workers") or 1), int(stack.get("client_procs") or 1))
 
 
+def variant_of(data: dict[str, Any]) -> tuple:
+    """What keeps a run's rows apart from another run of the same kind, model and device: the
+    served stack of a `serve` run (transport, frontend workers, client processes), the workload
+    of a `throughput` run; nothing for the others."""
+    if data.get("kind") == "serve":
+        return served_stack_of(data)
+    if data.get("kind") == "throughput":
+        return ((data.get("results") or {}).get("workload") or {}).get("name", ""),
+    return ()
+
+
 def latest_per_key(records: list[Record], kind: str) -> list[Record]:
-    """The newest record of `kind` for each (model, device, variant); records are oldest first.
-    The variant of a `serve` run is its served stack (transport, frontend workers, client
-    processes): each shape keeps its own rows."""
-    latest: dict[tuple[str, str, tuple[str, int, int]], Record] = {}
+    """The newest record of `kind` for each (model, device, variant); records are oldest first."""
+    latest: dict[tuple[str, str, tuple], Record] = {}
     for path, data in records:
         if data.get("kind") == kind:
-            latest[(data.get("model", ""), device_cell(data.get("env", {})), served_stack_of(data))] = (path, data)
-    return sorted(latest.values(), key=lambda r: (r[1].get("model", ""), device_cell(r[1].get("env", {}))))
+            latest[(data.get("model", ""), device_cell(data.get("env", {})), variant_of(data))] = (path, data)
+    return sorted(latest.values(), key=lambda r: (r[1].get("model", ""), device_cell(r[1].get("env", {})),
+                                                  repr(variant_of(r[1]))))
 
 
 # -- tables --------------------------------------------------------------------------------------

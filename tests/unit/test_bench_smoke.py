@@ -358,11 +358,17 @@ def test_report_tables_carry_device_commit_workload_and_ratio(tmp_path):
     scaled["levels"][0]["ratio_output_tokens_per_s"] = 0.93
     (results / "serve-qwen3-0.6b-2.json").write_text(
         json.dumps(_synthetic("serve", "dummy:qwen3-0.6b", scaled, "2030-01-01T00:00:03Z")))
+    # A later throughput run of another workload does not hide the nanovllm row.
+    random_1k = json.loads(json.dumps(throughput))
+    random_1k["workload"] = {"name": "random-1k", "num_requests": 1000, "standard": True}
+    random_1k["ratio"]["output_tokens_per_s"] = 2.5
+    (results / "throughput-qwen3-0.6b-2.json").write_text(
+        json.dumps(_synthetic("throughput", "dummy:qwen3-0.6b", random_1k, "2030-01-01T00:00:04Z")))
     (results / "notes.json").write_text("{not json")  # skipped, not fatal
 
     md, png = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "benchmarks_decode.png"
     out = build_report(results, md, png)
-    assert out["results"] == 4
+    assert out["results"] == 5
     text = md.read_text()
     # Only the host-overhead table (no such result here) is empty.
     assert text.count("not measured yet") == 1
@@ -375,7 +381,7 @@ def test_report_tables_carry_device_commit_workload_and_ratio(tmp_path):
         return found[0]
 
     for needles in ((" 1 | 1024 ", "85.0%", "89.5%", "decode-sweep"), (" 16 | 1024 ", "80.0%"),
-                    ("prefill 8x1024", "40.0%"), ("nanovllm (256 req)", "1.50×"),
+                    ("prefill 8x1024", "40.0%"), ("nanovllm (256 req)", "1.50×"), ("random-1k (1000 req)", "2.50×"),
                     ("| stream | 1 | 1 | 16 |", "0.95×"), ("| mux | 4 | 4 | 16 |", "0.93×")):
         row = row_with(*needles)
         assert "Test GPU 141GB" in row and "`0123456789`" in row and "torch 9.9.0" in row
