@@ -21,6 +21,8 @@ for part in "$@"; do
     throughput) timeout 200 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload nanovllm --peer-num-prompts 64 --max-seconds 185 --out "$OUT" ;;
     # 1000 x 1024/1024: the engine may take 70 % of the time left, the 8-request peer the rest.
     random-1k) timeout 580 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload random-1k --peer-num-prompts 8 --engine-share 0.7 --max-seconds 560 --out "$OUT" ;;
+    # Host time per step with a model-free runner, against the Qwen3-8B batch-256 step (roofline).
+    overhead) timeout 120 $PY -m tandem.cli bench overhead --batches 64,256 --gpu-step-ms "${GPU_STEP_MS:-16.4}" --out "$OUT" ;;
     serve) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --max-seconds 200 --out "$OUT" ;;
     serve-mux) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --max-seconds 200 --out "$OUT" ;;
     # Four frontend processes on the port and four load-generator processes (see docs/operations.md).
