@@ -237,14 +237,30 @@ def _headline(data: dict[str, Any]) -> str:
     return f"{len(levels)} levels"
 
 
+def _roofline_step_ms(records: list[Record], device: str, batch: Any, context: Any) -> tuple[float, str] | None:
+    """The newest measured decode step of (`batch`, `context`) on `device`, and its file."""
+    for path, data in reversed(records):
+        if data.get("kind") != "roofline" or device_cell(data.get("env", {})) != device:
+            continue
+        for point in data.get("results", {}).get("decode", []):
+            if point.get("status") == "ok" and point.get("batch") == batch and point.get("context") == context:
+                return float(point["median_ms"]), path.name
+    return None
+
+
 def overhead_rows(records: list[Record]) -> list[list[Any]]:
     rows = []
     for path, data in latest_per_key(records, "overhead"):
         env = data.get("env", {})
         for p in data.get("results", {}).get("points", []):
+            # Prefer the roofline step of the same batch on the same device over the run's single
+            # --gpu-step-ms anchor (given for one batch size only).
+            measured = _roofline_step_ms(records, device_cell(env), p.get("num_seqs"), p.get("context"))
+            anchor, source = (measured[0], f"`{measured[1]}`") if measured else (p.get("gpu_step_ms_anchor"), "--gpu-step-ms")
+            ratio = p.get("host_ms_median") / anchor if anchor and p.get("host_ms_median") is not None else None
             rows.append([device_cell(env), p.get("num_seqs"), p.get("context"), _num(p.get("host_ms_median"), ".2f"),
-                         _num(p.get("host_ms_p90"), ".2f"), _num(p.get("gpu_step_ms_anchor"), ".2f"),
-                         _num(p.get("host_over_gpu"), ".2f", "×"), commit_cell(env), f"`{path.name}`"])
+                         _num(p.get("host_ms_p90"), ".2f"), _num(anchor, ".2f"), source,
+                         _num(ratio, ".2f", "×"), commit_cell(env), f"`{path.name}`"])
     return rows
 
 
@@ -364,9 +380,11 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
     lines += ["## Host overhead per engine step", "",
               "Host (CPU) time of `LLMEngine.step()` with a model-free runner (`tandem bench overhead`): "
               "scheduling, host input preparation, token readback, stop checks and bookkeeping; the "
-              "anchor is a GPU decode step at the same batch from the roofline table.", ""]
+              "anchor is the GPU decode step at the same batch and context from the newest roofline run on "
+              "the same device (its file is named), else the run's own `--gpu-step-ms`. With overlapped "
+              "scheduling this host time runs while the GPU computes the previous step.", ""]
     lines += _table(["host", "running seqs", "context", "host ms p50", "host ms p90", "GPU step ms (anchor)",
-                     "host ÷ GPU step", "commit", "result"], overhead_rows(records))
+                     "anchor from", "host ÷ GPU step", "commit", "result"], overhead_rows(records))
     lines += ["## History", ""]
     lines += _table(["result", "kind", "model", "device", "commit", "timestamp (UTC)", "complete", "headline"],
                     history_rows(records))
