@@ -66,3 +66,28 @@ def test_stream_with_stop_string_matches(client, overlapped):
     assert stats["overlap_scheduling"] is True
     assert not next(iter(client.utility("stats")["engines"].values()))["overlap_scheduling"]
     assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_cancel_mid_stream_frees_the_in_flight_step(overlapped):
+    """Cancelling while a step is in flight: the engine frees the blocks that step still writes
+    and drops its token; nothing stays allocated and the ID can be reused."""
+    import time
+
+    call = overlapped.stream("Count from one to one thousand:", max_tokens=300, temperature=0.0, ignore_eos=True,
+                             n=2, request_id="overlap-cancel")
+    received = 0
+    for msg in call:
+        received += sum(len(c.token_ids) for c in msg.choices)
+        if received >= 6:
+            break
+    call.cancel()
+    deadline = time.monotonic() + 10.0
+    while True:
+        stats = overlapped.utility("stats")
+        engine, frontend = next(iter(stats["engines"].values())), stats["frontend"]
+        if engine["kv_blocks_used"] == 0 and engine["num_running"] == 0 and frontend["in_flight"] == 0:
+            break
+        assert time.monotonic() < deadline, f"not released: engine={engine} frontend={frontend}"
+        time.sleep(0.05)
+    assert engine["aborted_requests_total"] >= 2
+    assert overlapped.generate("Hi", max_tokens=2, request_id="overlap-cancel").request_id == "overlap-cancel"
