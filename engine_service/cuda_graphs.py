@@ -26,7 +26,7 @@ import structlog
 import torch
 from torch import nn
 
-from tandem.engine_service.input_batch import HostInputs, PinnedStaging, arrays_to_device, fill_pending_tokens
+from tandem.engine_service.input_batch import HostInputs, PinnedStaging, ship_step_arrays
 from tandem.engine_service.layers.attention import AttentionMetadata
 from tandem.kernels._utils import num_compute_units
 from tandem.kernels.paged_attention import choose_num_splits
@@ -223,15 +223,12 @@ class DecodeCudaGraphs:
         if bucket is None or not self.can_run(host):
             raise ValueError(f"no captured graph runs this step ({host.num_seqs} sequences)")
         padded = pad_decode_inputs(host, bucket, self.scratch_block, self.block_size)
-        arrays = [
+        (ids, pos, slots, lens, tables, rows), fill_pending = ship_step_arrays([
             padded.input_ids, padded.positions, padded.slot_mapping, padded.seq_lens,
             padded.block_tables, host.logits_indices,
-        ]
-        if host.pending_dst.size:
-            arrays += [host.pending_dst, host.pending_src]
-        ids, pos, slots, lens, tables, rows, *pending = arrays_to_device(arrays, self.device, staging)
+        ], host, self.device, staging, previous_tokens)
         self.input_ids[:bucket].copy_(ids)
-        fill_pending_tokens(self.input_ids, *(pending or (None, None)), previous_tokens)
+        fill_pending(self.input_ids)
         self.positions[:bucket].copy_(pos)
         self.slot_mapping[:bucket].copy_(slots)
         self.seq_lens[:bucket].copy_(lens)

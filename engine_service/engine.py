@@ -69,12 +69,6 @@ class LaunchedStep:
     sample: PendingSample | None
 
 
-def _needs_known_tokens(seq: Sequence) -> bool:
-    """Penalties count every earlier output token, so they cannot sample past a pending one."""
-    p = seq.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 class LLMEngine:
     """Continuous batching over one model replica: admission, stepping, stopping, aborts."""
 
@@ -135,7 +129,8 @@ class LLMEngine:
             outputs[seq.request_id] = self._output(seq)
         previous, self._in_flight = self._in_flight, None
         if plan.scheduled:
-            if previous is not None and any(_needs_known_tokens(item.seq) for item in plan.scheduled if item.sample):
+            # Penalties count every earlier token: they cannot sample past a pending one.
+            if previous is not None and any(item.seq.params.uses_penalties for item in plan.scheduled if item.sample):
                 self._finish(previous, outputs)
                 previous = None
             launched = self._launch(plan, previous)

@@ -9,15 +9,16 @@ runner (`cuda_graphs.py`) pads the same host arrays and copies them into its fix
 Overlapped scheduling: a sequence's newest token may still be *pending* — sampled by the step
 in flight, not yet read back. Its input slot then holds a placeholder on the host, and
 `pending_dst`/`pending_src` say which input row takes which row of the previous step's
-sampled-token tensor; `fill_pending_tokens` does that gather on the device, so the next step
+sampled-token tensor; `ship_step_arrays` copies those indices with the step's arrays and
+returns the gather that fills them in on the device, so the next step
 is built and launched without waiting for the tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field, fields
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -86,7 +87,9 @@ class HostInputs:
         return int(self.input_ids.shape[0]) == self.num_seqs
 
 
-_ARRAY_FIELDS = [f.name for f in fields(HostInputs) if not f.name.endswith("_cpu") and not f.name.startswith("pending_")]
+# What `host_to_device` ships for a forward pass (the pending indices travel with them).
+_ARRAY_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+                 "logits_indices")
 
 
 def build_model_inputs(
@@ -174,17 +177,6 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
     )
 
 
-def fill_pending_tokens(
-    input_ids: torch.Tensor, dst: torch.Tensor | None, src: torch.Tensor | None, previous_tokens: torch.Tensor | None
-) -> None:
-    """On the device: `input_ids[dst] = previous_tokens[src]` (nothing when `dst` is None)."""
-    if dst is None:
-        return
-    if previous_tokens is None or src is None:
-        raise ValueError("the step has pending tokens but no previous step's tokens were given")
-    input_ids.index_copy_(0, dst, previous_tokens.index_select(0, src).to(input_ids.dtype))
-
-
 def arrays_to_device(
     arrays: SequenceOf[np.ndarray], device: torch.device, staging: PinnedStaging | None = None
 ) -> list[torch.Tensor]:
@@ -195,6 +187,28 @@ def arrays_to_device(
     return [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
 
 
+def ship_step_arrays(
+    arrays: SequenceOf[np.ndarray],
+    host: HostInputs,
+    device: torch.device,
+    staging: PinnedStaging | None,
+    previous_tokens: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], Callable[[torch.Tensor], None]]:
+    """`arrays` on the device, with `host`'s pending-token indices in the same copy; returns the
+    tensors and a function that writes the pending tokens into a device input-id buffer
+    (`ids[pending_dst] = previous_tokens[pending_src]`; a no-op when nothing is pending)."""
+    if not host.pending_dst.size:
+        return arrays_to_device(arrays, device, staging), lambda ids: None
+    if previous_tokens is None:
+        raise ValueError("the step has pending tokens but no previous step's tokens were given")
+    *tensors, dst, src = arrays_to_device([*arrays, host.pending_dst, host.pending_src], device, staging)
+
+    def fill(ids: torch.Tensor) -> None:
+        ids.index_copy_(0, dst, previous_tokens.index_select(0, src).to(ids.dtype))
+
+    return tensors, fill
+
+
 def host_to_device(
     host: HostInputs,
     device: torch.device,
@@ -202,12 +216,12 @@ def host_to_device(
     previous_tokens: torch.Tensor | None = None,
 ) -> ModelInputs:
     """Device tensors for `host`, pending tokens filled in from `previous_tokens`."""
-    names = list(_ARRAY_FIELDS)
-    if host.pending_dst.size:
-        names += ["pending_dst", "pending_src"]
-    arrays = dict(zip(names, arrays_to_device([getattr(host, n) for n in names], device, staging)))
+    tensors, fill_pending = ship_step_arrays(
+        [getattr(host, n) for n in _ARRAY_FIELDS], host, device, staging, previous_tokens
+    )
+    arrays = dict(zip(_ARRAY_FIELDS, tensors))
     input_ids = arrays.pop("input_ids")
-    fill_pending_tokens(input_ids, arrays.pop("pending_dst", None), arrays.pop("pending_src", None), previous_tokens)
+    fill_pending(input_ids)
     metadata = AttentionMetadata(**arrays, seq_lens_cpu=host.seq_lens_cpu, query_lens_cpu=host.query_lens_cpu)
     return ModelInputs(input_ids=input_ids, metadata=metadata)
 

@@ -130,8 +130,8 @@ class Sampler:
             work[_to_device(mask_rows, torch.long, device), _to_device(mask_cols, torch.long, device)] = -math.inf
 
         params = [s.params for s in seqs]
-        use_rep = [p.repetition_penalty != 1.0 for p in params]
-        use_freq_pres = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+        use_rep = [p.uses_repetition_penalty for p in params]
+        use_freq_pres = [p.uses_output_penalties for p in params]
         if not any(use_rep) and not any(use_freq_pres):
             return work
         if work is raw:

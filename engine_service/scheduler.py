@@ -142,18 +142,24 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget, num_ending = self._schedule_running(out, budget)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, num_ending)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        """Schedules running sequences; returns the budget left and how many running sequences
+        end with their pending token (counted over all of them whenever budget is left)."""
+        i = num_ending = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new == 0 or self._ends_with_pending_token(seq):
+            ending = seq.num_pending_tokens > 0 and seq.reached_length_limit(self.max_model_len)
+            if num_new == 0 or ending:
+                # An ending sequence needs no further step; it leaves `running` when its pending
+                # token is confirmed (overlapped scheduling).
+                num_ending += ending
                 i += 1
                 continue
             while not self.block_manager.allocate(seq, num_new):
@@ -171,21 +177,13 @@ class Scheduler:
                 self._add_scheduled(out, seq, num_new)
                 budget -= num_new
                 i += 1
-        return budget
+        return budget, num_ending
 
-    def _ends_with_pending_token(self, seq: Sequence) -> bool:
-        """Its pending token (overlapped scheduling) already reaches a length limit: it needs no
-        further step and leaves `running` when that token is confirmed."""
-        return seq.num_pending_tokens > 0 and seq.reached_length_limit(self.max_model_len)
-
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, num_ending: int) -> None:
         bm = self.block_manager
-        if not self.waiting:
-            return
         # Sequences about to end by length give up their slot now, as they would have without
         # overlap (`running` may exceed max_num_seqs until their tokens are confirmed).
-        free_slots = self.config.max_num_seqs - len(self.running)
-        free_slots += sum(1 for seq in self.running if self._ends_with_pending_token(seq))
+        free_slots = self.config.max_num_seqs - len(self.running) + num_ending
         while self.waiting and budget > 0 and free_slots > 0:
             seq = self.waiting[0]
             if seq.num_tokens > self.max_model_len:

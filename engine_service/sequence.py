@@ -42,6 +42,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def uses_output_penalties(self) -> bool:
+        """Presence or frequency penalty (OpenAI semantics, over output tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Sampling counts every earlier token, so it needs them all on the host."""
+        return self.uses_repetition_penalty or self.uses_output_penalties
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed

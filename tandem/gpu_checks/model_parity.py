@@ -370,6 +370,11 @@ def part_timing(variants: dict[str, Variant], iters: int) -> dict[str, Any]:
     return result
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token (the shorter length when one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def part_overlap(args: argparse.Namespace, variants: dict[str, Variant]) -> dict[str, Any]:
     """The Triton + CUDA-graph runner driven with overlapped scheduling off and on: tokens must be
     identical (requests end by length only, so both modes launch the same batches through the same
@@ -405,9 +410,7 @@ def part_overlap(args: argparse.Namespace, variants: dict[str, Variant]) -> dict
     mismatched = [rid for rid in tokens["off"] if tokens["off"][rid] != tokens["on"][rid]]
     result["mismatched_requests"] = mismatched
     result["first_mismatches"] = [
-        {"request": rid, "position": next(i for i, (a, b) in enumerate(zip(tokens["off"][rid], tokens["on"][rid]))
-                                          if a != b) if len(tokens["off"][rid]) == len(tokens["on"][rid]) else None}
-        for rid in mismatched[:8]
+        {"request": rid, "position": _first_difference(tokens["off"][rid], tokens["on"][rid])} for rid in mismatched[:8]
     ]
     result["speedup"] = round(result["overlap_off"]["seconds"] / result["overlap_on"]["seconds"], 3)
     complete = all(len(t) == OVERLAP_OUTPUT_LEN for t in tokens["on"].values())
