@@ -116,7 +116,8 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     )
     servicer.attach(async_engine, limits, model_info(engine, limits))
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    log.info("engine_ready", kv_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len)
+    log.info("engine_ready", kv_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
+             sampling_defaults=defaults.effective(limits.default_max_tokens))
     if ready is not None:
         ready.set()
 

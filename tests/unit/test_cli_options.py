@@ -129,3 +129,10 @@ def test_benchmarks_build_their_engine_from_the_same_fields():
     assert config.model.model.startswith("dummy:")  # the benchmark's own default model
     env_args = options.parse_args(build_parser(), ["bench", "serve"], environ={"TANDEM_MAX_NUM_BATCHED_TOKENS": "512"})
     assert options.engine_config_from_args(env_args).scheduler.max_num_batched_tokens == 512
+
+
+def test_operations_doc_flag_tables_match_the_parser():
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+    assert options.update_docs(str(doc), check=True), "run `python -m tandem.options` to regenerate the tables"
