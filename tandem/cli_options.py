@@ -47,7 +47,8 @@ class FrontendArgs:
     workers: int = _opt(1, "frontend processes sharing the port (SO_REUSEPORT); metrics ports count up "
                            "from --metrics-port")
     engine_connect_timeout: float = _opt(30.0, "seconds to wait for each --engine address to accept "
-                                               "connections before giving up at start")
+                                               "connections before giving up at start; 0: no check, wait "
+                                               "for the engines while answering health (orchestrators)")
 
 
 @dataclass

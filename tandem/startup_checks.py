@@ -78,7 +78,11 @@ def check_pem_files(args, prefix: str = "") -> None:
 
 def check_engines_reachable(addresses: list[str], timeout: float) -> None:
     """Each engine address resolves and accepts TCP connections within `timeout` seconds (an
-    engine that is still loading already listens, so this does not wait for the model)."""
+    engine that is still loading already listens, so this does not wait for the model). A
+    timeout of 0 skips the check: orchestrated deployments start frontends before their engines
+    and let the frontend wait for them while it answers health."""
+    if timeout <= 0:
+        return
     for address in addresses:
         host, sep, port_text = address.rpartition(":")
         if not sep or not port_text.isdigit():
@@ -89,10 +93,10 @@ def check_engines_reachable(addresses: list[str], timeout: float) -> None:
             try:
                 with socket.create_connection((host, int(port_text)), timeout=2.0):
                     break
-            except socket.gaierror as exc:
-                raise StartupError("--engine", address, f"cannot resolve {host} ({exc.strerror})") from None
-            except OSError as exc:
+            except OSError as exc:  # a name that does not resolve yet may resolve soon: retried too
                 if time.monotonic() >= deadline:
+                    if isinstance(exc, socket.gaierror):
+                        raise StartupError("--engine", address, f"cannot resolve {host} ({exc.strerror})") from None
                     reason = exc.strerror or type(exc).__name__
                     raise StartupError("--engine", address, f"no engine answers there ({reason}) after "
                                                             f"{timeout:g}s; start one with `tandem engine "
