@@ -182,6 +182,7 @@ def cmd_serve(args) -> int:
 
     stopping = threading.Event()
     ready = threading.Event()
+    engine_died = threading.Event()  # on its own, not stopped by us
 
     def end_during_startup(code: int, line: str | None) -> None:
         # Nothing to drain before the frontend is ready: stop the child and the extra frontend
@@ -210,6 +211,7 @@ def cmd_serve(args) -> int:
         line = f"the engine exited with code {child.returncode}"
         if not ready.is_set():
             end_during_startup(child.returncode or 1, line + " before it was ready (its log is above)")
+        engine_died.set()
         _report_line(args, line)  # the engine died on its own: end the frontend too
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -234,7 +236,9 @@ def cmd_serve(args) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-    return rc or (child.returncode if child.returncode and child.returncode > 0 else 0)
+    if engine_died.is_set():
+        return rc or (child.returncode if child.returncode and child.returncode > 0 else 1)
+    return rc
 
 
 # -- client commands ------------------------------------------------------------------------------
