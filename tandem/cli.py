@@ -258,11 +258,10 @@ def _print_response(resp, as_json: bool) -> None:
 def _ready_client(args):
     """A TandemClient whose server is ready (waiting up to --wait seconds)."""
     from tandem.client import TandemClient
-    from tandem.readiness import wait_until_ready
 
     client = TandemClient(args.address, security=_security(args))
     try:
-        wait_until_ready(client.channel, args.address, args.wait)
+        client.wait_ready(args.wait)
     except BaseException:
         client.close()
         raise

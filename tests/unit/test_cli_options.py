@@ -136,3 +136,25 @@ def test_operations_doc_flag_tables_match_the_parser():
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
     assert options.update_docs(str(doc), check=True), "run `python -m tandem.options` to regenerate the tables"
+
+
+def test_config_file_lists_and_flags_before_the_subcommand(tmp_path):
+    cfg = tmp_path / "frontend.yaml"
+    cfg.write_text("engine: [10.0.0.1:50052, 10.0.0.2:50052]\nlog-level: warning\nworkers: 2\n")
+    args = options.parse_args(build_parser(), ["frontend", "--config", str(cfg)], environ={})
+    assert args.engine == ["10.0.0.1:50052", "10.0.0.2:50052"] and args.workers == 2
+    assert args.log_level == "warning"
+
+
+def test_serve_does_not_hand_its_own_variables_to_the_engine_child(monkeypatch):
+    from tandem import cli
+
+    monkeypatch.setenv("TANDEM_PORT", "6000")  # meant for serve's frontend
+    monkeypatch.setenv("TANDEM_TLS_CERT", "/etc/frontend.pem")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", "/cache")  # same meaning in both processes
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "2")  # not a flag
+    args = options.parse_args(build_parser(), ["serve"])
+    env = cli._child_env(args.engine_parser)
+    assert "TANDEM_PORT" not in env and "TANDEM_TLS_CERT" not in env
+    assert env["TANDEM_CACHE_DIR"] == "/cache" and env["TANDEM_TORCH_THREADS"] == "2"
+    assert args.port == 6000
