@@ -155,8 +155,6 @@ def cmd_serve(args) -> int:
     import multiprocessing
 
     from tandem import startup_checks
-    from tandem.frontend.workers import run_frontend_workers
-    from tandem.security import engine_child_security
 
     _check_engine_flags(args)
     startup_checks.check_port_free("--port", args.host, args.port)
@@ -165,6 +163,10 @@ def cmd_serve(args) -> int:
     startup_checks.check_port_free("--engine-metrics-port", args.metrics_host, args.engine_metrics_port)
     startup_checks.check_pem_files(args)
     startup_checks.check_pem_files(args, "engine-")
+    # Imported after the checks: a wrong flag is reported before torch loads.
+    from tandem.frontend.workers import run_frontend_workers
+    from tandem.security import engine_child_security
+
     engine_addr = f"{args.engine_host}:{args.engine_port}"
     frontend_options = _frontend_options(args, [engine_addr])
     engine_security = frontend_options.engine_security
