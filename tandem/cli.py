@@ -371,7 +371,10 @@ def _report_line(args, message: str, **fields) -> None:
     """One error line on stderr: plain text, or one JSON record with --log-format json."""
     command = getattr(args, "command", None) or "tandem"
     if getattr(args, "log_format", "console") == "json":
-        sys.stderr.write(json.dumps({"event": "error", "level": "error", "command": command,
+        from datetime import datetime, timezone
+
+        stamp = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+        sys.stderr.write(json.dumps({"event": "error", "level": "error", "timestamp": stamp, "command": command,
                                      "error": message, **fields}) + "\n")
     else:
         sys.stderr.write(f"tandem {command}: error: {message}\n")
