@@ -31,8 +31,6 @@ from tandem.cli_options import (
 )
 from tandem.startup_checks import StartupError
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
 
 # -- engine flags (kept as functions: `tandem bench` and tests build engine configs with them) ----
 
@@ -145,7 +143,7 @@ def _child_env(parser_for_engine: argparse.ArgumentParser) -> dict[str, str]:
     """The environment of `serve`'s engine child: the parent passes every engine flag on the
     command line, so `TANDEM_<FLAG>` variables meant for the parent (its `--port`, its
     certificate) must not become the child's defaults."""
-    names = {options.env_name(a) for a in options._flag_actions(parser_for_engine)} - {None}
+    names = {options.env_name(a) for a in options.flag_actions(parser_for_engine)} - {None}
     names.discard("TANDEM_CACHE_DIR")  # also read by the loader, with the same meaning
     return {k: v for k, v in os.environ.items() if k not in names}
 

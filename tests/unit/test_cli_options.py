@@ -134,8 +134,10 @@ def test_benchmarks_build_their_engine_from_the_same_fields():
 def test_operations_doc_flag_tables_match_the_parser():
     from pathlib import Path
 
+    from tandem.flag_docs import update_docs
+
     doc = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
-    assert options.update_docs(str(doc), check=True), "run `python -m tandem.options` to regenerate the tables"
+    assert update_docs(str(doc), check=True), "run `python -m tandem.flag_docs` to regenerate the tables"
 
 
 def test_config_file_lists_and_flags_before_the_subcommand(tmp_path):
