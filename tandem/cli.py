@@ -32,11 +32,7 @@ from tandem.cli_options import (
 from tandem.startup_checks import StartupError
 
 
-# -- engine flags (kept as functions: `tandem bench` and tests build engine configs with them) ----
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    options.add_engine_flags(p)
+# -- engine flags (their declaration: engine_service/config.py; tests call these two) --------------
 
 
 def _engine_config(args):
