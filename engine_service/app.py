@@ -20,6 +20,7 @@ from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.engine import LLMEngine
 from tandem.engine_service.metrics import EngineMetrics
 from tandem.engine_service.server import SERVICE_NAME, EngineServicer
+from tandem.generation_defaults import load_generation_defaults
 from tandem.grpc_service import add_service, enable_reflection
 from tandem.health import add_health
 from tandem.metrics import new_registry, start_metrics_endpoint
@@ -45,8 +46,10 @@ class EngineServerOptions:
     fail_after_steps: int | None = None  # testing only: inject a fatal engine error
 
 
-def model_info(engine: LLMEngine) -> dict:
+def model_info(engine: LLMEngine, limits: Limits | None = None) -> dict:
     runner = engine.runner
+    defaults = limits.sampling_defaults if limits is not None else None
+    extra = {"sampling_defaults": defaults.effective(limits.default_max_tokens)} if defaults is not None else {}
     return {
         "model": engine.config.model.model,
         "model_path": str(runner.model_path),
@@ -58,6 +61,7 @@ def model_info(engine: LLMEngine) -> dict:
         "device": str(getattr(runner, "device", "")),
         "kv_blocks": engine.block_manager.num_blocks,
         "block_size": engine.block_manager.block_size,
+        **extra,
     }
 
 
@@ -101,15 +105,19 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     )
     EngineMetrics(async_engine, config.model.model, registry)  # before start: it adds a step listener
     async_engine.start(loop)
+    defaults = load_generation_defaults(config.model.generation_config, config.model.model,
+                                        str(engine.runner.model_path) if engine.runner.model_path else None)
     limits = Limits(
         vocab_size=engine.vocab_size,
         max_model_len=engine.max_model_len,
-        default_max_tokens=options.default_max_tokens,
+        default_max_tokens=defaults.max_tokens or options.default_max_tokens,
         kv_capacity_tokens=engine.kv_capacity_tokens,
+        sampling_defaults=defaults,
     )
-    servicer.attach(async_engine, limits, model_info(engine))
+    servicer.attach(async_engine, limits, model_info(engine, limits))
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    log.info("engine_ready", kv_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len)
+    log.info("engine_ready", kv_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
+             sampling_defaults=defaults.effective(limits.default_max_tokens))
     if ready is not None:
         ready.set()
 

@@ -139,5 +139,22 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     return 0
 
 
-def run_frontend(options: FrontendOptions, on_stop: Callable[[], None] | None = None) -> int:
-    return asyncio.run(serve_frontend(options, on_stop=on_stop))
+def run_frontend(options: FrontendOptions, on_stop: Callable[[], None] | None = None,
+                 on_ready: Callable[[], None] | None = None) -> int:
+    """`on_ready` runs once the frontend serves (its engines ready) and handles its signals."""
+    if on_ready is None:
+        return asyncio.run(serve_frontend(options, on_stop=on_stop))
+
+    async def main() -> int:
+        ready = asyncio.Event()
+        serving = asyncio.ensure_future(serve_frontend(options, ready=ready, on_stop=on_stop))
+        waiting = asyncio.ensure_future(ready.wait())
+        await asyncio.wait([serving, waiting], return_when=asyncio.FIRST_COMPLETED)
+        if ready.is_set():
+            await asyncio.sleep(0)  # serve_frontend installs its signal handlers first
+            on_ready()
+        else:
+            waiting.cancel()
+        return await serving
+
+    return asyncio.run(main())

@@ -98,6 +98,10 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         elif cmd == C.UTILITY_COMMAND_MODEL_INFO:
             result = dict(self.pool.limits_info())
             result["tokenizer"] = self.builder.tokenizer_info()
+            # What a request that sets no sampling field gets (the engine applies these).
+            defaults = self.pool.replicas[0].model_info.get("sampling_defaults") if self.pool.replicas else None
+            if defaults is not None:
+                result["sampling_defaults"] = defaults
         elif cmd == C.UTILITY_COMMAND_ABORT:
             active = self.active.get(request.request_id)
             if not request.request_id:

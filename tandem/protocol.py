@@ -38,6 +38,9 @@ class Limits:
     max_model_len: int
     default_max_tokens: int = 256
     kv_capacity_tokens: int | None = None  # the whole KV pool; one request must fit in it
+    # The model's sampling defaults (tandem.generation_defaults.GenerationDefaults), applied by
+    # the engine to fields a request leaves unset; the frontend validates the request as sent.
+    sampling_defaults: object | None = None
 
 
 def _finite(field: str, value: float) -> float:
@@ -59,6 +62,8 @@ def sampling_from_proto(
     stop_token_sequences: list[list[int]] | None = None,
 ) -> SamplingParams:
     """Validates `msg` against `limits` and fills defaults; raises InvalidRequest."""
+    if limits.sampling_defaults is not None:
+        msg = limits.sampling_defaults.fill(msg)
     p = SamplingParams()
     room = limits.max_model_len - num_prompt_tokens
     if num_prompt_tokens < 1:

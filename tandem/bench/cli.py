@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.bench.results import DEFAULT_RESULTS_DIR
+from tandem.options import engine_argv, engine_config_from_args
 
 _CONFIG_SKIP = {"fn", "bench_fn", "command", "bench_command"}
 
@@ -73,9 +74,10 @@ def _key_value(text: str) -> tuple[str, Any]:
 
 
 def _common(p: argparse.ArgumentParser, model: str, max_seconds: float) -> None:
-    from tandem import cli as tandem_cli
+    from tandem.options import add_engine_flags
 
-    tandem_cli._engine_args(p)
+    # The engine flags `tandem serve` takes (one declaration: engine_service/config.py).
+    add_engine_flags(p)
     g = p.add_argument_group("benchmark output")
     g.add_argument("--out", default=DEFAULT_RESULTS_DIR, help="folder for the result JSON (default: %(default)s)")
     g.add_argument("--max-seconds", type=float, default=max_seconds,
@@ -218,7 +220,7 @@ def _roofline(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: 
         batches=args.batches, contexts=args.contexts, prefill_shapes=args.prefill_shapes,
         copy_bytes=int(args.copy_gib * (1 << 30)), point_seconds=args.point_seconds, reps=args.reps,
         headroom_gib=args.headroom_gib, kv_aliasing=args.kv_aliasing)
-    roofline.run_roofline(record, tandem_cli._engine_config(args), options, deadline)
+    roofline.run_roofline(record, engine_config_from_args(args), options, deadline)
     return roofline.short_table
 
 
@@ -229,7 +231,7 @@ def _throughput(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline
         workload=args.workload, num_prompts=args.num_prompts, scale=args.scale, peer=not args.no_peer,
         peer_num_prompts=args.peer_num_prompts, warmup_requests=args.warmup_requests,
         peer_cb_config=dict(args.peer_cb) or None, engine_share=args.engine_share)
-    throughput.run_throughput(record, tandem_cli._engine_config(args), options, deadline)
+    throughput.run_throughput(record, engine_config_from_args(args), options, deadline)
     return throughput.short_table
 
 
@@ -242,14 +244,14 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         startup_timeout=args.startup_timeout, tokenizer=args.tokenizer, in_process=not args.no_in_process,
         warmup_requests=args.warmup_requests, engine_transport=args.engine_transport,
         frontend_workers=args.frontend_workers, client_procs=args.client_procs)
-    serve.run_serve(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
+    serve.run_serve(record, engine_config_from_args(args), engine_argv(engine_config_from_args(args)), options, deadline)
     return serve.short_table
 
 
 def _overhead(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import overhead
 
-    overhead.run_overhead(record, tandem_cli._engine_config(args), args.batches, args.context, args.steps,
+    overhead.run_overhead(record, engine_config_from_args(args), args.batches, args.context, args.steps,
                           args.gpu_step_ms)
     return overhead.short_table
 
