@@ -1,0 +1,130 @@
+"""Scheduler side of the step plan: turns each `SchedulerOutput` into a `StepPlan`.
+
+`StepPlanBuilder` remembers what the workers already know of every request (that they hold a
+row, and how many of its block ids per cache group they were sent), so a plan carries a request
+whole only once (`NewRequest`) and afterwards only its changes (`CachedRequest`). The engine tells
+it about endings (`drop`); preemptions it reads from the scheduler's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.engine_service.scheduler import ScheduledSeq, SchedulerOutput
+from tandem.engine_service.sequence import Sequence
+from tandem.engine_service.step_plan import CachedRequest, NewRequest, StepPlan
+
+
+@dataclass
+class _Known:
+    """What the workers hold of one request."""
+
+    seq: Sequence
+    num_blocks_sent: list[int]  # per cache group
+    preempted: bool = False  # its blocks were dropped; the next delta resumes it
+
+
+@dataclass
+class PlannedStep:
+    """A plan and the scheduled entries in the plan's batch order (cached, then new)."""
+
+    plan: StepPlan
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+
+    @property
+    def sampling(self) -> list[Sequence]:
+        """The sequences whose tokens the step samples, in sampled-row order."""
+        return [item.seq for item in self.scheduled if item.sample]
+
+
+class StepPlanBuilder:
+    """Builds each step's plan from the scheduler's output, sending each request whole once.
+
+    Invariants: a request is in `_known` exactly while the workers hold its row; an id dropped
+    here is listed in the next plan's `finished_req_ids` (only if the workers knew it); the block
+    ids sent for a request, concatenated over plans since its last (re)start, equal its block
+    table. Today every request has one cache group, its `block_table`.
+    """
+
+    def __init__(self, num_cache_groups: int = 1) -> None:
+        if num_cache_groups != 1:
+            raise ValueError("the scheduler hands out block ids for one cache group today")
+        self.num_cache_groups = num_cache_groups
+        self._known: dict[str, _Known] = {}
+        self._finished: list[str] = []
+        self._next_step_id = 0
+
+    @property
+    def num_known(self) -> int:
+        return len(self._known)
+
+    def drop(self, request_id: str) -> None:
+        """The request finished or was aborted: its row goes with the next plan."""
+        if self._known.pop(request_id, None) is not None:
+            self._finished.append(request_id)
+
+    def _block_groups(self, seq: Sequence) -> list[list[int]]:
+        return [seq.block_table]
+
+    def build(self, out: SchedulerOutput) -> PlannedStep:
+        """The plan for `out`. Scheduled sequences already finished (ended while the plan was
+        pending, e.g. by a token read back meanwhile) are left out: nothing reads their result."""
+        for seq in out.finished:
+            self.drop(seq.request_id)
+        preempted = []
+        for seq in out.preempted:
+            known = self._known.get(seq.request_id)
+            if known is not None and known.seq is seq and not known.preempted:
+                known.preempted = True
+                known.num_blocks_sent = [0] * self.num_cache_groups
+                preempted.append(seq.request_id)
+        cached: list[CachedRequest] = []
+        new: list[NewRequest] = []
+        cached_items: list[ScheduledSeq] = []
+        new_items: list[ScheduledSeq] = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            known = self._known.get(seq.request_id)
+            groups = self._block_groups(seq)
+            if known is None or known.seq is not seq:
+                if known is not None:  # a reused id whose old row was never dropped
+                    self.drop(seq.request_id)
+                self._known[seq.request_id] = _Known(seq, [len(g) for g in groups])
+                new.append(NewRequest(
+                    request_id=seq.request_id,
+                    token_ids=seq.token_ids,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    sampling_params=seq.params,
+                    eos_token_ids=list(seq.eos_token_ids),
+                    block_ids=[list(g) for g in groups],
+                    num_computed_tokens=seq.num_computed_tokens,
+                    num_scheduled_tokens=item.num_new_tokens,
+                    sample=item.sample,
+                ))
+                new_items.append(item)
+                continue
+            sent = known.num_blocks_sent
+            cached.append(CachedRequest(
+                request_id=seq.request_id,
+                new_block_ids=[g[n:] for g, n in zip(groups, sent)],
+                num_computed_tokens=seq.num_computed_tokens,
+                num_scheduled_tokens=item.num_new_tokens,
+                sample=item.sample,
+                resumed=known.preempted,
+            ))
+            known.num_blocks_sent = [len(g) for g in groups]
+            known.preempted = False
+            cached_items.append(item)
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            new_requests=new,
+            cached_requests=cached,
+            finished_req_ids=self._finished,
+            preempted_req_ids=preempted,
+            num_cache_groups=self.num_cache_groups,
+        )
+        self._finished = []
+        self._next_step_id += 1
+        return PlannedStep(plan, cached_items + new_items)

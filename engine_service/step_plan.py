@@ -1,0 +1,114 @@
+"""The step plan: what the scheduler side tells the workers each step (typed, torch-free).
+
+A worker keeps one persistent row per request (`worker_rows.py`) and is told only what changed:
+
+- `NewRequest`: a request the worker does not know yet, whole — its known token ids, sampling
+  parameters, block ids per cache group, optional state slot, and this step's share.
+- `CachedRequest`: a request the worker already holds — only the block ids added since the last
+  plan (per group), its computed-token count, this step's share, and whether it resumes after a
+  preemption (then its block ids replace the row's instead of extending them).
+- `finished_req_ids` (finished or aborted: drop the row) and `preempted_req_ids` (drop the
+  row's blocks, keep its tokens and its random generator: it comes back as a resumed request).
+
+Decode tokens never travel in a plan: the worker samples them and appends them to its own rows.
+
+The plan crosses a process boundary (tensor-parallel ranks receive it by broadcast) as msgpack:
+`encode_plan` / `decode_plan`; in one process the objects are handed over as they are. A step's
+batch order is `cached_requests` then `new_requests`; sampled tokens come back in that order,
+restricted to the entries with `sample`.
+
+Invariants: a request id appears at most once among `new_requests` and `cached_requests`; ids in
+`finished_req_ids` are dropped before the step's requests are applied, so an id may finish and be
+new in the same plan (a reused id); block ids are listed per cache group (today one group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tandem.engine_service.sampling_params import SamplingParams
+
+
+class NewRequest(msgspec.Struct, kw_only=True):
+    """A request the worker sees for the first time: everything its row needs.
+
+    `token_ids` are the prompt followed by any output tokens already known (a request is new
+    to a worker only once, so in practice the prompt). `block_ids[g]` is the request's block
+    table in cache group g, covering at least `num_computed_tokens + num_scheduled_tokens`.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sample: bool
+    state_slot: int | None = None
+
+
+class CachedRequest(msgspec.Struct, kw_only=True, array_like=True):
+    """This step's delta of a request the worker already holds.
+
+    `new_block_ids[g]` are appended to the row's table in group g — or, when `resumed` (back
+    from a preemption), they are the whole new table. `num_computed_tokens` is authoritative
+    (prefix hits after a resume may change it).
+    """
+
+    request_id: str
+    new_block_ids: list[list[int]]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sample: bool
+    resumed: bool = False
+
+
+class KVConnectorMetadata(msgspec.Struct, kw_only=True):
+    """Placeholder for what a KV connector's worker side will need per step (not used yet)."""
+
+    payload: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class StepPlan(msgspec.Struct, kw_only=True):
+    """One step's instructions to every worker (see the module docstring for the invariants)."""
+
+    step_id: int
+    new_requests: list[NewRequest] = msgspec.field(default_factory=list)
+    cached_requests: list[CachedRequest] = msgspec.field(default_factory=list)
+    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+    num_cache_groups: int = 1
+    kv_connector_metadata: KVConnectorMetadata | None = None
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.cached_requests) + sum(
+            r.num_scheduled_tokens for r in self.new_requests
+        )
+
+    @property
+    def has_work(self) -> bool:
+        """Whether the step runs the model (otherwise it only carries drops)."""
+        return bool(self.new_requests or self.cached_requests)
+
+    def batch_request_ids(self) -> list[str]:
+        """Request ids in batch order: cached requests, then new ones."""
+        return [r.request_id for r in self.cached_requests] + [r.request_id for r in self.new_requests]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(StepPlan)
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    """The plan as msgpack bytes (what a broadcast to other ranks sends)."""
+    return _ENCODER.encode(plan)
+
+
+def decode_plan(data: bytes) -> StepPlan:
+    """A `StepPlan` from `encode_plan`'s bytes; types are checked while decoding."""
+    return _DECODER.decode(data)
