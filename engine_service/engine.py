@@ -127,7 +127,9 @@ class LLMEngine:
         return seq
 
     def has_work(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_work()
+        """Whether `step()` has something to do: requests, a step in flight, or endings the
+        worker has not been told of yet (they ride on the next plan)."""
+        return self._in_flight is not None or self.scheduler.has_work() or self.plan_builder.has_pending_drops
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -151,6 +153,9 @@ class LLMEngine:
         if previous is not None:
             self._finish(previous, outputs)
         self._forget_finished(outputs)
+        if not plan.scheduled:
+            # Nothing ran: the worker still hears of preemptions and endings (a plan of drops).
+            self.worker.launch(self.plan_builder.build(plan).plan)
         return list(outputs.values())
 
     def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:

@@ -58,6 +58,11 @@ class StepPlanBuilder:
     def num_known(self) -> int:
         return len(self._known)
 
+    @property
+    def has_pending_drops(self) -> bool:
+        """Whether ended requests wait for a plan to tell the workers."""
+        return bool(self._finished)
+
     def drop(self, request_id: str) -> None:
         """The request finished or was aborted: its row goes with the next plan."""
         if self._known.pop(request_id, None) is not None:

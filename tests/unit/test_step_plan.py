@@ -1,0 +1,312 @@
+"""The step plan and the worker's persistent rows.
+
+1. A plan round-trips through msgpack bytes: the decoded plan equals the original, and applying
+   either to a worker gives identical model inputs.
+2. Old/new equivalence on randomized scheduling traces: a real scheduler, block manager and
+   engine loop (overlap on and off, tiny pools that force preemption, chunked prefill, shared
+   prefixes, aborts, reused ids, penalties, seeded sampling, stop tokens) drive a model stand-in;
+   at every step the inputs the worker built from its rows (fed only decoded plan bytes) must
+   equal what the Sequence-based builder (`prepare_host_inputs`, the runner's input path before
+   the plan) produces from the scheduler's objects, and each sampled row must show the sampler
+   the same tokens and parameters as its Sequence.
+3. Bookkeeping: drops, preemption (blocks gone, tokens and generator kept), resume, reused ids,
+   plans that name unknown rows.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine_service.engine import LLMEngine
+from tandem.engine_service.input_batch import HostInputs, prepare_host_inputs
+from tandem.engine_service.plan_builder import StepPlanBuilder
+from tandem.engine_service.sequence import SamplingParams
+from tandem.engine_service.step_plan import CachedRequest, NewRequest, StepPlan, decode_plan, encode_plan
+from tandem.engine_service.worker_rows import WorkerRows, host_inputs_from_rows
+
+BLOCK_SIZE = 4
+VOCAB = 64
+HOST_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+               "logits_indices", "pending_dst", "pending_src")
+
+
+def assert_same_inputs(a: HostInputs, b: HostInputs) -> None:
+    for name in HOST_FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), name
+    assert a.seq_lens_cpu == b.seq_lens_cpu and a.query_lens_cpu == b.query_lens_cpu
+
+
+# -- 1. msgpack round trip ---------------------------------------------------------------------------
+
+
+def _two_plans() -> list[StepPlan]:
+    params = SamplingParams(max_tokens=7, temperature=0.7, top_k=5, seed=11, stop_token_ids=[3],
+                            stop_token_sequences=[[4, 5]], logprobs=2, repetition_penalty=1.2)
+    first = StepPlan(step_id=0, new_requests=[
+        NewRequest(request_id="a", token_ids=[9, 8, 7, 6, 5], num_prompt_tokens=5, sampling_params=params,
+                   eos_token_ids=[2], block_ids=[[4, 1]], num_computed_tokens=0, num_scheduled_tokens=5,
+                   sample=True),
+        NewRequest(request_id="b", token_ids=list(range(10, 19)), num_prompt_tokens=9,
+                   sampling_params=SamplingParams(), eos_token_ids=[2, 5], block_ids=[[0, 2, 3]],
+                   num_computed_tokens=4, num_scheduled_tokens=3, sample=False, state_slot=1),
+    ])
+    second = StepPlan(step_id=1, cached_requests=[
+        CachedRequest(request_id="b", new_block_ids=[[]], num_computed_tokens=7, num_scheduled_tokens=2,
+                      sample=True),
+        CachedRequest(request_id="a", new_block_ids=[[6]], num_computed_tokens=5, num_scheduled_tokens=1,
+                      sample=True),
+    ], finished_req_ids=["gone"])
+    return [first, second]
+
+
+def test_plan_round_trips_through_msgpack_bytes_to_identical_inputs() -> None:
+    direct, via_bytes = WorkerRows(), WorkerRows()
+    direct.apply(StepPlan(step_id=-1, new_requests=[NewRequest(
+        request_id="gone", token_ids=[1], num_prompt_tokens=1, sampling_params=SamplingParams(), eos_token_ids=[],
+        block_ids=[[5]], num_computed_tokens=0, num_scheduled_tokens=1, sample=True)]))
+    via_bytes.apply(decode_plan(encode_plan(StepPlan(step_id=-1, new_requests=[NewRequest(
+        request_id="gone", token_ids=[1], num_prompt_tokens=1, sampling_params=SamplingParams(), eos_token_ids=[],
+        block_ids=[[5]], num_computed_tokens=0, num_scheduled_tokens=1, sample=True)]))))
+    for step, plan in enumerate(_two_plans()):
+        data = encode_plan(plan)
+        assert isinstance(data, bytes) and b"torch" not in data
+        decoded = decode_plan(data)
+        assert decoded == plan
+        assert decoded.new_requests == plan.new_requests  # sampling params included (a dataclass)
+        batch_a, batch_b = direct.apply(plan), via_bytes.apply(decoded)
+        assert [w.row.request_id for w in batch_a] == [w.row.request_id for w in batch_b] == plan.batch_request_ids()
+        assert_same_inputs(host_inputs_from_rows(batch_a, BLOCK_SIZE), host_inputs_from_rows(batch_b, BLOCK_SIZE))
+        if step == 0:  # the first step samples "a": its token arrives by the worker, not by the plan
+            for rows, batch in ((direct, batch_a), (via_bytes, batch_b)):
+                batch[0].row.mark_pending(0)
+                batch[0].row.confirm_token(33)
+    assert "gone" not in direct and "gone" not in via_bytes
+    assert direct.get("a").token_ids == via_bytes.get("a").token_ids == [9, 8, 7, 6, 5, 33]
+    assert direct.get("a").block_ids == [[4, 1, 6]]
+    assert direct.get("b").state_slot == 1
+
+
+def test_decode_rejects_a_mistyped_plan() -> None:
+    import msgspec
+
+    bad = encode_plan(_two_plans()[0]).replace(b"num_prompt_tokens", b"num_prompt_tokenz")
+    with pytest.raises(msgspec.ValidationError):
+        decode_plan(bad)
+
+
+def test_step_plan_module_does_not_import_torch() -> None:
+    code = ("import sys; import tandem.engine_service.step_plan as m; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(m.StepPlan.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "StepPlan", out.stderr
+
+
+# -- 2. old/new equivalence on randomized traces -----------------------------------------------------
+
+
+class TraceRunner:
+    """A model stand-in with the runner's interface: random logits from its own generator. At
+    every forward it checks the worker's inputs against the Sequence-based builder's."""
+
+    def __init__(self, num_blocks: int, max_model_len: int, seed: int) -> None:
+        self.num_blocks, self.block_size, self.max_model_len = num_blocks, BLOCK_SIZE, max_model_len
+        self.vocab_size, self.eos_token_ids, self.device = VOCAB, (2,), torch.device("cpu")
+        self.gen = torch.Generator().manual_seed(seed)
+        self.engine: LLMEngine | None = None
+        self.expected: list = []  # the step's ScheduledSeq entries, in plan batch order
+        self.steps = self.pending_steps = self.preempted_rows_seen = 0
+
+    def forward(self, host: HostInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        engine = self.engine
+        old = prepare_host_inputs(self.expected, BLOCK_SIZE)
+        assert_same_inputs(host, old)
+        for item in self.expected:
+            seq, row = item.seq, engine.worker.rows.get(item.seq.request_id)
+            assert row is not None and row.block_ids == [seq.block_table]
+            assert row.num_computed_tokens == seq.num_computed_tokens and row.num_tokens == seq.num_tokens
+            if item.sample:  # what the sampler reads
+                assert row.params == seq.params and row.eos_token_ids == seq.eos_token_ids
+                assert row.num_generated_tokens == seq.num_generated_tokens
+                assert row.output_token_ids == seq.output_token_ids
+                assert row.prompt_token_ids == seq.prompt_token_ids
+                assert (row.generator is None) == (seq.params.seed is None)
+        if host.pending_dst.size:
+            assert previous_tokens is not None and int(host.pending_src.max()) < previous_tokens.shape[0]
+            self.pending_steps += 1
+        self.steps += 1
+        return torch.randn(int(host.logits_indices.shape[0]), VOCAB, generator=self.gen) * 3
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    kind = rng.random()
+    params = SamplingParams(max_tokens=rng.randint(1, 14), temperature=0.0 if kind < 0.5 else 0.9,
+                            ignore_eos=rng.random() < 0.5, min_tokens=rng.randint(0, 3))
+    if rng.random() < 0.3:
+        params.stop_token_ids = [rng.randrange(VOCAB)]
+    if rng.random() < 0.2:
+        params.seed = rng.randrange(1000)
+    if rng.random() < 0.15:
+        params.repetition_penalty = 1.3  # forces the step in flight to finish first
+    if rng.random() < 0.1:
+        params.top_k = 8
+    return params
+
+
+def _run_trace(seed: int, overlap: str) -> TraceRunner:
+    rng = random.Random(seed)
+    num_blocks = rng.choice([10, 14, 40])
+    runner = TraceRunner(num_blocks, max_model_len=48, seed=seed)
+    config = EngineConfig(
+        ModelConfig(model="unused"),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
+        SchedulerConfig(max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([6, 16, 64]),
+                        overlap_scheduling=overlap),
+    )
+    engine = LLMEngine(config, runner=runner)
+    runner.engine = engine
+    build = engine.plan_builder.build
+
+    def build_and_ship(out):
+        planned = build(out)
+        runner.expected = planned.scheduled
+        # The worker only ever sees the plan's bytes.
+        planned.plan = decode_plan(encode_plan(planned.plan))
+        return planned
+
+    engine.plan_builder.build = build_and_ship
+    shared = [rng.randrange(3, VOCAB) for _ in range(9)]
+    live: set[str] = set()
+    next_id = 0
+    for step in range(400):
+        if step < 60 and rng.random() < 0.4:
+            rid = f"r{next_id % 12}"  # ids come back after their request ends: reused ids
+            next_id += 1
+            if rid not in live:
+                prefix = shared[: rng.randint(0, 9)] if rng.random() < 0.5 else []
+                prompt = prefix + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 20))]
+                engine.add_request(rid, prompt, _random_params(rng))
+                live.add(rid)
+        if live and rng.random() < 0.05:
+            rid = rng.choice(sorted(live))
+            engine.abort(rid)
+            live.discard(rid)
+        for o in engine.step():
+            if o.finished:
+                live.discard(o.request_id)
+        if step >= 60 and not engine.has_work():
+            break
+    assert not engine.has_work()
+    assert len(engine.worker.rows) == 0 and engine.plan_builder.num_known == 0
+    assert engine.block_manager.num_used_blocks == 0
+    runner.preemptions = engine.scheduler.num_preemptions
+    return runner
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_worker_rows_match_sequence_inputs_on_random_traces(overlap: str) -> None:
+    runners = [_run_trace(seed, overlap) for seed in range(12)]
+    assert sum(r.steps for r in runners) > 300
+    assert sum(r.preemptions for r in runners) > 0, "no trace preempted: the test lost its teeth"
+    if overlap == "on":
+        assert sum(r.pending_steps for r in runners) > 50
+
+
+# -- 3. bookkeeping ----------------------------------------------------------------------------------
+
+
+def test_preemption_keeps_tokens_and_generator_and_resume_replaces_blocks() -> None:
+    from tandem.engine_service.scheduler import ScheduledSeq, SchedulerOutput
+    from tandem.engine_service.sequence import Sequence
+
+    builder, rows = StepPlanBuilder(), WorkerRows()
+    seq = Sequence("a", [5, 6, 7, 8, 9], SamplingParams(seed=3), eos_token_ids=(2,))
+    seq.block_table = [3, 4]
+    plan = builder.build(SchedulerOutput(scheduled=[ScheduledSeq(seq, 5, True)])).plan
+    assert [r.request_id for r in plan.new_requests] == ["a"] and not plan.cached_requests
+    row = rows.apply(plan)[0].row
+    generator = row.generator
+    draw_before = torch.empty(4).exponential_(generator=generator)
+    seq.num_computed_tokens = 5
+    row.mark_pending(0)
+    seq.mark_pending(0)
+
+    # Preempted while its token is pending: blocks go, the token still arrives.
+    seq.block_table, seq.num_computed_tokens = [], 0
+    plan = builder.build(SchedulerOutput(preempted=[seq])).plan
+    assert plan.preempted_req_ids == ["a"] and not plan.has_work
+    assert rows.apply(plan) == [] and row.block_ids == [[]] and row.num_computed_tokens == 0
+    row.confirm_token(44)
+    seq.confirm_token(44)
+    assert row.token_ids == seq.token_ids == [5, 6, 7, 8, 9, 44]
+
+    # Resumed with a prefix hit: the new table replaces the row's, computed count from the plan.
+    seq.block_table, seq.num_computed_tokens = [3, 8], 4
+    plan = builder.build(SchedulerOutput(scheduled=[ScheduledSeq(seq, 2, True)])).plan
+    (delta,) = plan.cached_requests
+    assert delta.resumed and delta.new_block_ids == [[3, 8]] and delta.num_computed_tokens == 4
+    (work,) = rows.apply(plan)
+    assert work.row is row and row.block_ids == [[3, 8]] and row.generator is generator
+    assert_same_inputs(host_inputs_from_rows([work], BLOCK_SIZE),
+                       prepare_host_inputs([ScheduledSeq(seq, 2, True)], BLOCK_SIZE))
+    assert not torch.equal(torch.empty(4).exponential_(generator=generator), draw_before)  # the stream goes on
+
+    # A later delta sends only the new block; a drop goes with the next plan, once.
+    seq.num_computed_tokens, seq.block_table = 6, [3, 8, 9]
+    plan = builder.build(SchedulerOutput(scheduled=[ScheduledSeq(seq, 1, True)])).plan
+    assert plan.cached_requests[0].new_block_ids == [[9]] and not plan.cached_requests[0].resumed
+    rows.apply(plan)
+    assert row.block_ids == [[3, 8, 9]]
+    builder.drop("a")
+    builder.drop("a")
+    plan = builder.build(SchedulerOutput()).plan
+    assert plan.finished_req_ids == ["a"]
+    rows.apply(plan)
+    assert "a" not in rows and not rows.holds(row)
+    assert builder.build(SchedulerOutput()).plan.finished_req_ids == []
+
+
+def test_reused_id_gets_a_fresh_row_and_the_old_token_is_not_appended() -> None:
+    from tandem.engine_service.scheduler import ScheduledSeq, SchedulerOutput
+    from tandem.engine_service.sequence import Sequence
+
+    builder, rows = StepPlanBuilder(), WorkerRows()
+    old = Sequence("x", [1, 2, 3], SamplingParams())
+    old.block_table = [0]
+    old_row = rows.apply(builder.build(SchedulerOutput(scheduled=[ScheduledSeq(old, 3, True)])).plan)[0].row
+    old_row.mark_pending(0)
+    builder.drop("x")  # aborted while its token is in flight
+    new = Sequence("x", [7, 7], SamplingParams())
+    new.block_table = [1]
+    plan = builder.build(SchedulerOutput(scheduled=[ScheduledSeq(new, 2, True)])).plan
+    assert plan.finished_req_ids == ["x"] and [r.request_id for r in plan.new_requests] == ["x"]
+    (work,) = rows.apply(plan)
+    assert work.row is not old_row and work.row.token_ids == [7, 7]
+    assert rows.holds(work.row) and not rows.holds(old_row)  # StepWorker.collect skips old_row's token
+
+
+def test_plans_naming_unknown_or_duplicate_rows_are_rejected() -> None:
+    rows = WorkerRows()
+    with pytest.raises(ValueError, match="does not hold"):
+        rows.apply(StepPlan(step_id=0, cached_requests=[CachedRequest(
+            request_id="ghost", new_block_ids=[[]], num_computed_tokens=0, num_scheduled_tokens=1, sample=True)]))
+    with pytest.raises(ValueError, match="does not hold"):
+        rows.apply(StepPlan(step_id=0, preempted_req_ids=["ghost"]))
+    new = NewRequest(request_id="a", token_ids=[1, 2], num_prompt_tokens=2, sampling_params=SamplingParams(),
+                     eos_token_ids=[], block_ids=[[0]], num_computed_tokens=0, num_scheduled_tokens=2, sample=True)
+    rows.apply(StepPlan(step_id=0, new_requests=[new]))
+    with pytest.raises(ValueError, match="already holds"):
+        rows.apply(StepPlan(step_id=1, new_requests=[new]))
+    with pytest.raises(ValueError, match="cache groups"):
+        rows.apply(StepPlan(step_id=2, num_cache_groups=2))
+    with pytest.raises(ValueError, match="cannot run"):
+        host_inputs_from_rows(rows.apply(StepPlan(step_id=3, cached_requests=[CachedRequest(
+            request_id="a", new_block_ids=[[]], num_computed_tokens=2, num_scheduled_tokens=1, sample=True)])),
+            BLOCK_SIZE)
