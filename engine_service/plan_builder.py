@@ -2,7 +2,7 @@
 
 `StepPlanBuilder` remembers what the workers already know of every request (that they hold a
 row, and how many of its block ids per cache group they were sent), so a plan carries a request
-whole only once (`NewRequest`) and afterwards only its changes (`CachedRequest`). The engine tells
+whole only once (`NewRequest`) and afterwards only its changes (`CachedRequests`). The engine tells
 it about endings (`drop`); preemptions it reads from the scheduler's output.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.engine_service.scheduler import ScheduledSeq, SchedulerOutput
-from tandem.engine_service.sequence import Sequence
-from tandem.engine_service.step_plan import CachedRequest, NewRequest, StepPlan
+from tandem.engine_service.sequence import Sequence, SequenceStatus
+from tandem.engine_service.step_plan import CachedRequests, NewRequest, StepPlan
 
 
 @dataclass
@@ -68,8 +68,23 @@ class StepPlanBuilder:
         if self._known.pop(request_id, None) is not None:
             self._finished.append(request_id)
 
-    def _block_groups(self, seq: Sequence) -> list[list[int]]:
-        return [seq.block_table]
+    def _new_request(self, item: ScheduledSeq, known: _Known | None) -> NewRequest:
+        seq = item.seq
+        if known is not None:  # a reused id whose old row was never dropped
+            self.drop(seq.request_id)
+        groups = [list(seq.block_table)]  # one cache group today
+        self._known[seq.request_id] = _Known(seq, [len(g) for g in groups])
+        return NewRequest(
+            request_id=seq.request_id,
+            token_ids=seq.token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            sampling_params=seq.params,
+            eos_token_ids=list(seq.eos_token_ids),
+            block_ids=groups,
+            num_computed_tokens=seq.num_computed_tokens,
+            num_scheduled_tokens=item.num_new_tokens,
+            sample=item.sample,
+        )
 
     def build(self, out: SchedulerOutput) -> PlannedStep:
         """The plan for `out`. Scheduled sequences already finished (ended while the plan was
@@ -83,44 +98,37 @@ class StepPlanBuilder:
                 known.preempted = True
                 known.num_blocks_sent = [0] * self.num_cache_groups
                 preempted.append(seq.request_id)
-        cached: list[CachedRequest] = []
+        cached = CachedRequests()
+        ids, blocks, computed = cached.request_ids, cached.new_block_ids, cached.num_computed_tokens
+        scheduled, sample, resumed = cached.num_scheduled_tokens, cached.sample, cached.resumed
         new: list[NewRequest] = []
         cached_items: list[ScheduledSeq] = []
         new_items: list[ScheduledSeq] = []
+        known_requests = self._known
         for item in out.scheduled:
             seq = item.seq
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue
-            known = self._known.get(seq.request_id)
-            groups = self._block_groups(seq)
+            known = known_requests.get(seq.request_id)
             if known is None or known.seq is not seq:
-                if known is not None:  # a reused id whose old row was never dropped
-                    self.drop(seq.request_id)
-                self._known[seq.request_id] = _Known(seq, [len(g) for g in groups])
-                new.append(NewRequest(
-                    request_id=seq.request_id,
-                    token_ids=seq.token_ids,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    sampling_params=seq.params,
-                    eos_token_ids=list(seq.eos_token_ids),
-                    block_ids=[list(g) for g in groups],
-                    num_computed_tokens=seq.num_computed_tokens,
-                    num_scheduled_tokens=item.num_new_tokens,
-                    sample=item.sample,
-                ))
+                new.append(self._new_request(item, known))
                 new_items.append(item)
                 continue
+            # One cache group today: its table is the sequence's block table.
+            table = seq.block_table
             sent = known.num_blocks_sent
-            cached.append(CachedRequest(
-                request_id=seq.request_id,
-                new_block_ids=[g[n:] for g, n in zip(groups, sent)],
-                num_computed_tokens=seq.num_computed_tokens,
-                num_scheduled_tokens=item.num_new_tokens,
-                sample=item.sample,
-                resumed=known.preempted,
-            ))
-            known.num_blocks_sent = [len(g) for g in groups]
-            known.preempted = False
+            ids.append(seq.request_id)
+            if known.preempted:
+                blocks.append([list(table)])
+                known.preempted = False
+                resumed.append(True)
+            else:
+                blocks.append([table[sent[0]:]] if len(table) > sent[0] else None)
+                resumed.append(False)
+            sent[0] = len(table)
+            computed.append(seq.num_computed_tokens)
+            scheduled.append(item.num_new_tokens)
+            sample.append(item.sample)
             cached_items.append(item)
         plan = StepPlan(
             step_id=self._next_step_id,

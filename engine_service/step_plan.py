@@ -4,9 +4,9 @@ A worker keeps one persistent row per request (`worker_rows.py`) and is told onl
 
 - `NewRequest`: a request the worker does not know yet, whole — its known token ids, sampling
   parameters, block ids per cache group, optional state slot, and this step's share.
-- `CachedRequest`: a request the worker already holds — only the block ids added since the last
-  plan (per group), its computed-token count, this step's share, and whether it resumes after a
-  preemption (then its block ids replace the row's instead of extending them).
+- `CachedRequests`: the requests the worker already holds (as columns) — only the block ids
+  added since the last plan (per group), the computed-token count, this step's share, and
+  whether the request resumes after a preemption (then its block ids replace the row's).
 - `finished_req_ids` (finished or aborted: drop the row) and `preempted_req_ids` (drop the
   row's blocks, keep its tokens and its random generator: it comes back as a resumed request).
 
@@ -17,7 +17,8 @@ The plan crosses a process boundary (tensor-parallel ranks receive it by broadca
 batch order is `cached_requests` then `new_requests`; sampled tokens come back in that order,
 restricted to the entries with `sample`.
 
-Invariants: a request id appears at most once among `new_requests` and `cached_requests`; ids in
+Invariants: a request id appears at most once among `new_requests` and `cached_requests`; the
+columns of `cached_requests` have equal lengths; ids in
 `finished_req_ids` are dropped before the step's requests are applied, so an id may finish and be
 new in the same plan (a reused id); block ids are listed per cache group (today one group).
 """
@@ -51,20 +52,37 @@ class NewRequest(msgspec.Struct, kw_only=True):
     state_slot: int | None = None
 
 
-class CachedRequest(msgspec.Struct, kw_only=True, array_like=True):
-    """This step's delta of a request the worker already holds.
+class CachedRequests(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+    """This step's deltas of the requests the worker already holds, as columns: entry i of
+    every list belongs to `request_ids[i]`.
 
-    `new_block_ids[g]` are appended to the row's table in group g — or, when `resumed` (back
-    from a preemption), they are the whole new table. `num_computed_tokens` is authoritative
-    (prefix hits after a resume may change it).
+    `new_block_ids[i]` is None when request i got no new block, else its added block ids per
+    cache group — appended to the row's tables, or, when `resumed[i]` (back from a preemption),
+    the whole new tables. `num_computed_tokens[i]` is authoritative (prefix hits after a resume
+    may change it). Columns rather than one object per request: a decode step of 256 requests
+    then allocates a few lists instead of hundreds of objects, and the garbage collector's
+    passes over them showed up as ~1 ms of host time per step.
     """
 
-    request_id: str
-    new_block_ids: list[list[int]]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    sample: bool
-    resumed: bool = False
+    request_ids: list[str] = msgspec.field(default_factory=list)
+    new_block_ids: list[list[list[int]] | None] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    num_scheduled_tokens: list[int] = msgspec.field(default_factory=list)
+    sample: list[bool] = msgspec.field(default_factory=list)
+    resumed: list[bool] = msgspec.field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def append(self, request_id: str, new_block_ids: list[list[int]] | None, num_computed_tokens: int,
+               num_scheduled_tokens: int, sample: bool, resumed: bool = False) -> None:
+        """Add one request's delta (tests and tools; the plan builder fills the columns itself)."""
+        self.request_ids.append(request_id)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+        self.num_scheduled_tokens.append(num_scheduled_tokens)
+        self.sample.append(sample)
+        self.resumed.append(resumed)
 
 
 class KVConnectorMetadata(msgspec.Struct, kw_only=True):
@@ -78,7 +96,7 @@ class StepPlan(msgspec.Struct, kw_only=True):
 
     step_id: int
     new_requests: list[NewRequest] = msgspec.field(default_factory=list)
-    cached_requests: list[CachedRequest] = msgspec.field(default_factory=list)
+    cached_requests: CachedRequests = msgspec.field(default_factory=CachedRequests)
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
     num_cache_groups: int = 1
@@ -86,9 +104,7 @@ class StepPlan(msgspec.Struct, kw_only=True):
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.cached_requests) + sum(
-            r.num_scheduled_tokens for r in self.new_requests
-        )
+        return sum(self.cached_requests.num_scheduled_tokens) + sum(r.num_scheduled_tokens for r in self.new_requests)
 
     @property
     def has_work(self) -> bool:
@@ -97,7 +113,7 @@ class StepPlan(msgspec.Struct, kw_only=True):
 
     def batch_request_ids(self) -> list[str]:
         """Request ids in batch order: cached requests, then new ones."""
-        return [r.request_id for r in self.cached_requests] + [r.request_id for r in self.new_requests]
+        return self.cached_requests.request_ids + [r.request_id for r in self.new_requests]
 
 
 _ENCODER = msgspec.msgpack.Encoder()

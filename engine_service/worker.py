@@ -16,14 +16,14 @@ import torch
 from tandem.engine_service.model_runner import ModelRunner
 from tandem.engine_service.sampler import PendingSample, Sampler, SamplerOutput
 from tandem.engine_service.step_plan import StepPlan
-from tandem.engine_service.worker_rows import RequestRow, RowWork, WorkerRows, host_inputs_from_rows
+from tandem.engine_service.worker_rows import RequestRow, StepBatch, WorkerRows, host_inputs_from_rows
 
 
 @dataclass
 class WorkerStep:
     """A launched step: its batch, the rows it samples (sampled-row order) and their tokens."""
 
-    batch: list[RowWork]
+    batch: StepBatch
     sampling: list[RequestRow]
     sample: PendingSample | None
 
@@ -38,7 +38,7 @@ class StepWorker:
 
     Invariants: the rows change only through `launch` (the plan, then the pending marks) and
     `collect` (read-back tokens); a row dropped or replaced (reused id) between a launch and its
-    collect does not receive that step's token.
+    collect is no longer among the rows, so that step's token reaches no live row.
     """
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, num_cache_groups: int = 1) -> None:
@@ -46,7 +46,7 @@ class StepWorker:
         self.sampler = sampler
         self.rows = WorkerRows(num_cache_groups)
 
-    def execute(self, batch: list[RowWork], previous: WorkerStep | None = None) -> torch.Tensor:
+    def execute(self, batch: StepBatch, previous: WorkerStep | None = None) -> torch.Tensor:
         """Forward `batch` (from `rows.apply`); float32 logits of its sampling entries. The rows
         are not changed, so a batch may be executed again (benchmarks time this)."""
         host = host_inputs_from_rows(batch, self.runner.block_size)
@@ -60,7 +60,7 @@ class StepWorker:
         if not batch:
             return None
         logits = self.execute(batch, previous)
-        sampling = [work.row for work in batch if work.sample]
+        sampling = batch.sampling_rows
         sample = None
         if sampling:
             sample = self.sampler.sample_async(logits, sampling)
@@ -73,7 +73,7 @@ class StepWorker:
         if step.sample is None:
             return None
         result = step.sample.result()
+        # A row dropped meanwhile is no longer in `rows`: appending to it changes nothing.
         for row, token_id in zip(step.sampling, result.token_ids):
-            if self.rows.holds(row):
-                row.confirm_token(token_id)
+            row.confirm_token(token_id)
         return result

@@ -13,7 +13,6 @@ previous step's sampled-token tensor (`input_batch.ship_step_arrays`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,12 +98,25 @@ class RequestRow:
 
 
 @dataclass
-class RowWork:
-    """A row's share of one step: `num_scheduled_tokens` from its computed count."""
+class StepBatch:
+    """One step's batch, in plan order: entry i runs `num_scheduled_tokens[i]` tokens of
+    `rows[i]` from its computed count and samples when `sample[i]` (columns, like the plan)."""
 
-    row: RequestRow
-    num_scheduled_tokens: int
-    sample: bool
+    rows: list[RequestRow] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def sampling_rows(self) -> list[RequestRow]:
+        """The rows that sample, in sampled-token order."""
+        return [row for row, s in zip(self.rows, self.sample) if s]
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [row.request_id for row in self.rows]
 
 
 class WorkerRows:
@@ -134,36 +146,51 @@ class WorkerRows:
         """Whether `row` is still the live row of its request (not dropped, id not reused)."""
         return self._rows.get(row.request_id) is row
 
-    def apply(self, plan: StepPlan) -> list[RowWork]:
+    def apply(self, plan: StepPlan) -> StepBatch:
         """Update the rows from `plan`; the step's batch in plan order (cached, then new)."""
         if plan.num_cache_groups != self.num_cache_groups:
             raise ValueError(f"plan has {plan.num_cache_groups} cache groups, the worker {self.num_cache_groups}")
+        rows = self._rows
         for rid in plan.finished_req_ids:
-            self._rows.pop(rid, None)
+            rows.pop(rid, None)
         for rid in plan.preempted_req_ids:
             row = self._require(rid)
             row.block_ids = [[] for _ in range(self.num_cache_groups)]
             row.num_computed_tokens = 0
-        batch: list[RowWork] = []
-        for req in plan.cached_requests:
-            row = self._require(req.request_id)
-            if len(req.new_block_ids) != self.num_cache_groups:
-                raise ValueError(f"{req.request_id}: block ids for {len(req.new_block_ids)} cache groups")
-            if req.resumed:
-                row.block_ids = [list(g) for g in req.new_block_ids]
-            else:
-                for table, added in zip(row.block_ids, req.new_block_ids):
-                    table.extend(added)
-            row.num_computed_tokens = req.num_computed_tokens
-            batch.append(RowWork(row, req.num_scheduled_tokens, req.sample))
+        cached = plan.cached_requests
+        batch_rows: list[RequestRow] = []
+        groups = self.num_cache_groups
+        for rid, added, computed, resumed in zip(cached.request_ids, cached.new_block_ids,
+                                                 cached.num_computed_tokens, cached.resumed):
+            row = rows.get(rid)
+            if row is None:
+                raise ValueError(f"{rid}: the plan names a request the worker does not hold")
+            if added is not None:
+                if len(added) != groups:
+                    raise ValueError(f"{rid}: block ids for {len(added)} cache groups")
+                if resumed:
+                    row.block_ids = [list(g) for g in added]
+                else:
+                    for table, more in zip(row.block_ids, added):
+                        table.extend(more)
+            elif resumed:
+                row.block_ids = [[] for _ in range(groups)]
+            row.num_computed_tokens = computed
+            batch_rows.append(row)
+        if len(batch_rows) != len(cached.num_scheduled_tokens) or len(batch_rows) != len(cached.sample):
+            raise ValueError("the plan's cached-request columns differ in length")
+        num_scheduled = list(cached.num_scheduled_tokens)
+        sample = list(cached.sample)
         for req in plan.new_requests:
-            if req.request_id in self._rows:
+            if req.request_id in rows:
                 raise ValueError(f"{req.request_id}: new in the plan but the worker already holds it")
-            if len(req.block_ids) != self.num_cache_groups:
+            if len(req.block_ids) != groups:
                 raise ValueError(f"{req.request_id}: block ids for {len(req.block_ids)} cache groups")
-            row = self._rows[req.request_id] = RequestRow.from_plan(req)
-            batch.append(RowWork(row, req.num_scheduled_tokens, req.sample))
-        return batch
+            row = rows[req.request_id] = RequestRow.from_plan(req)
+            batch_rows.append(row)
+            num_scheduled.append(req.num_scheduled_tokens)
+            sample.append(req.sample)
+        return StepBatch(batch_rows, num_scheduled, sample)
 
     def _require(self, request_id: str) -> RequestRow:
         row = self._rows.get(request_id)
@@ -172,45 +199,41 @@ class WorkerRows:
         return row
 
 
-def host_inputs_from_rows(batch: SequenceOf[RowWork], block_size: int) -> HostInputs:
+def host_inputs_from_rows(batch: StepBatch, block_size: int) -> HostInputs:
     """The step's host arrays from the rows: for each entry the tokens
     `[num_computed, num_computed + num_scheduled)` of its row, cache group 0's block table
     (must cover them) and, for a pending last token, its source row. Only a row's last
     scheduled token may be pending."""
-    if not batch:
+    if not batch.rows:
         raise ValueError("empty batch")
     token_chunks: list[list[int]] = []
-    query_lens: list[int] = []
     seq_lens: list[int] = []
     tables: list[list[int]] = []
-    sample: list[bool] = []
     pending_dst: list[int] = []
     pending_src: list[int] = []
     num_tokens = 0
-    for work in batch:
-        row, n = work.row, work.num_scheduled_tokens
+    for row, n in zip(batch.rows, batch.num_scheduled_tokens):
+        tokens = row.token_ids
+        known = len(tokens)
         start = row.num_computed_tokens
         end = start + n
-        if n < 1 or end > row.num_tokens:
+        if n < 1 or end > known + row.num_pending_tokens:
             raise ValueError(f"{row.request_id}: cannot run {n} new tokens from {start} (row has {row.num_tokens})")
         table = row.block_ids[0]  # one cache group today; more groups add tables, not rows
         if len(table) * block_size < end:
             raise ValueError(
                 f"{row.request_id}: {len(table)} blocks cannot hold {end} tokens (block size {block_size})"
             )
-        known = len(row.token_ids)
         if end > known:
             if end - known > 1 or row.num_pending_tokens != 1:
                 raise ValueError(f"{row.request_id}: only the last new token may be pending")
             pending_dst.append(num_tokens + n - 1)
             pending_src.append(row.pending_row)
-            token_chunks.append(row.token_ids[start:known] + [PENDING_PLACEHOLDER])
+            token_chunks.append(tokens[start:known] + [PENDING_PLACEHOLDER])
         else:
-            token_chunks.append(row.token_ids[start:end])
-        query_lens.append(n)
+            token_chunks.append(tokens[start:end])
         seq_lens.append(end)
         tables.append(table)
-        sample.append(work.sample)
         num_tokens += n
-    return assemble_host_inputs(token_chunks, query_lens, seq_lens, tables, sample, block_size,
+    return assemble_host_inputs(token_chunks, batch.num_scheduled_tokens, seq_lens, tables, batch.sample, block_size,
                                 np.asarray(pending_dst, dtype=np.int64), np.asarray(pending_src, dtype=np.int64))

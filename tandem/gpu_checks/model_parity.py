@@ -51,7 +51,7 @@ from tandem.engine_service.model_runner import ModelRunner
 from tandem.engine_service.scheduler import ScheduledSeq
 from tandem.engine_service.sequence import SamplingParams, Sequence
 from tandem.engine_service.worker import StepWorker, WorkerStep
-from tandem.engine_service.worker_rows import RowWork, host_inputs_from_rows
+from tandem.engine_service.worker_rows import StepBatch, host_inputs_from_rows
 
 DEVICE = "cuda"
 BLOCK_SIZE = 16
@@ -92,13 +92,13 @@ class Recorder:
         worker.execute = self  # type: ignore[method-assign]
 
     @torch.inference_mode()
-    def __call__(self, batch: list[RowWork], previous: WorkerStep | None = None) -> torch.Tensor:
+    def __call__(self, batch: StepBatch, previous: WorkerStep | None = None) -> torch.Tensor:
         graphs = self.runner.cuda_graphs
         if graphs is not None and graphs.can_run(host_inputs_from_rows(batch, self.runner.block_size)):
             self.graph_steps += 1
         self.steps += 1
         logits = self._worker_execute(batch, previous)
-        ids = [work.row.request_id for work in batch if work.sample]
+        ids = [row.request_id for row in batch.sampling_rows]
         self.last = {rid: logits[i] for i, rid in enumerate(ids)}
         return logits
 

@@ -257,9 +257,11 @@ def test_length_limited_requests_batch_exactly_as_without_overlap(runner) -> Non
         original = engine.worker.launch
 
         def recording(plan, previous=None, _log=log, _original=original):
-            entries = [*plan.cached_requests, *plan.new_requests]
+            cached = plan.cached_requests
+            entries = [*zip(cached.request_ids, cached.num_scheduled_tokens),
+                       *((r.request_id, r.num_scheduled_tokens) for r in plan.new_requests)]
             if entries:
-                _log.append([(r.request_id, r.num_scheduled_tokens) for r in entries])
+                _log.append(entries)
             return _original(plan, previous)
 
         engine.worker.launch = recording

@@ -28,7 +28,7 @@ from tandem.engine_service.engine import LLMEngine
 from tandem.engine_service.input_batch import HostInputs, prepare_host_inputs
 from tandem.engine_service.plan_builder import StepPlanBuilder
 from tandem.engine_service.sequence import SamplingParams
-from tandem.engine_service.step_plan import CachedRequest, NewRequest, StepPlan, decode_plan, encode_plan
+from tandem.engine_service.step_plan import CachedRequests, NewRequest, StepPlan, decode_plan, encode_plan
 from tandem.engine_service.worker_rows import WorkerRows, host_inputs_from_rows
 
 BLOCK_SIZE = 4
@@ -58,12 +58,10 @@ def _two_plans() -> list[StepPlan]:
                    sampling_params=SamplingParams(), eos_token_ids=[2, 5], block_ids=[[0, 2, 3]],
                    num_computed_tokens=4, num_scheduled_tokens=3, sample=False, state_slot=1),
     ])
-    second = StepPlan(step_id=1, cached_requests=[
-        CachedRequest(request_id="b", new_block_ids=[[]], num_computed_tokens=7, num_scheduled_tokens=2,
-                      sample=True),
-        CachedRequest(request_id="a", new_block_ids=[[6]], num_computed_tokens=5, num_scheduled_tokens=1,
-                      sample=True),
-    ], finished_req_ids=["gone"])
+    cached = CachedRequests()
+    cached.append("b", None, num_computed_tokens=7, num_scheduled_tokens=2, sample=True)
+    cached.append("a", [[6]], num_computed_tokens=5, num_scheduled_tokens=1, sample=True)
+    second = StepPlan(step_id=1, cached_requests=cached, finished_req_ids=["gone"])
     return [first, second]
 
 
@@ -82,12 +80,12 @@ def test_plan_round_trips_through_msgpack_bytes_to_identical_inputs() -> None:
         assert decoded == plan
         assert decoded.new_requests == plan.new_requests  # sampling params included (a dataclass)
         batch_a, batch_b = direct.apply(plan), via_bytes.apply(decoded)
-        assert [w.row.request_id for w in batch_a] == [w.row.request_id for w in batch_b] == plan.batch_request_ids()
+        assert batch_a.request_ids == batch_b.request_ids == plan.batch_request_ids()
         assert_same_inputs(host_inputs_from_rows(batch_a, BLOCK_SIZE), host_inputs_from_rows(batch_b, BLOCK_SIZE))
         if step == 0:  # the first step samples "a": its token arrives by the worker, not by the plan
-            for rows, batch in ((direct, batch_a), (via_bytes, batch_b)):
-                batch[0].row.mark_pending(0)
-                batch[0].row.confirm_token(33)
+            for batch in (batch_a, batch_b):
+                batch.rows[0].mark_pending(0)
+                batch.rows[0].confirm_token(33)
     assert "gone" not in direct and "gone" not in via_bytes
     assert direct.get("a").token_ids == via_bytes.get("a").token_ids == [9, 8, 7, 6, 5, 33]
     assert direct.get("a").block_ids == [[4, 1, 6]]
@@ -231,7 +229,7 @@ def test_preemption_keeps_tokens_and_generator_and_resume_replaces_blocks() -> N
     seq.block_table = [3, 4]
     plan = builder.build(SchedulerOutput(scheduled=[ScheduledSeq(seq, 5, True)])).plan
     assert [r.request_id for r in plan.new_requests] == ["a"] and not plan.cached_requests
-    row = rows.apply(plan)[0].row
+    row = rows.apply(plan).rows[0]
     generator = row.generator
     draw_before = torch.empty(4).exponential_(generator=generator)
     seq.num_computed_tokens = 5
@@ -242,7 +240,7 @@ def test_preemption_keeps_tokens_and_generator_and_resume_replaces_blocks() -> N
     seq.block_table, seq.num_computed_tokens = [], 0
     plan = builder.build(SchedulerOutput(preempted=[seq])).plan
     assert plan.preempted_req_ids == ["a"] and not plan.has_work
-    assert rows.apply(plan) == [] and row.block_ids == [[]] and row.num_computed_tokens == 0
+    assert len(rows.apply(plan)) == 0 and row.block_ids == [[]] and row.num_computed_tokens == 0
     row.confirm_token(44)
     seq.confirm_token(44)
     assert row.token_ids == seq.token_ids == [5, 6, 7, 8, 9, 44]
@@ -250,20 +248,26 @@ def test_preemption_keeps_tokens_and_generator_and_resume_replaces_blocks() -> N
     # Resumed with a prefix hit: the new table replaces the row's, computed count from the plan.
     seq.block_table, seq.num_computed_tokens = [3, 8], 4
     plan = builder.build(SchedulerOutput(scheduled=[ScheduledSeq(seq, 2, True)])).plan
-    (delta,) = plan.cached_requests
-    assert delta.resumed and delta.new_block_ids == [[3, 8]] and delta.num_computed_tokens == 4
-    (work,) = rows.apply(plan)
-    assert work.row is row and row.block_ids == [[3, 8]] and row.generator is generator
-    assert_same_inputs(host_inputs_from_rows([work], BLOCK_SIZE),
+    delta = plan.cached_requests
+    assert delta.request_ids == ["a"] and delta.resumed == [True]
+    assert delta.new_block_ids == [[[3, 8]]] and delta.num_computed_tokens == [4]
+    batch = rows.apply(plan)
+    assert batch.rows == [row] and row.block_ids == [[3, 8]] and row.generator is generator
+    assert_same_inputs(host_inputs_from_rows(batch, BLOCK_SIZE),
                        prepare_host_inputs([ScheduledSeq(seq, 2, True)], BLOCK_SIZE))
     assert not torch.equal(torch.empty(4).exponential_(generator=generator), draw_before)  # the stream goes on
 
     # A later delta sends only the new block; a drop goes with the next plan, once.
     seq.num_computed_tokens, seq.block_table = 6, [3, 8, 9]
     plan = builder.build(SchedulerOutput(scheduled=[ScheduledSeq(seq, 1, True)])).plan
-    assert plan.cached_requests[0].new_block_ids == [[9]] and not plan.cached_requests[0].resumed
+    assert plan.cached_requests.new_block_ids == [[[9]]] and plan.cached_requests.resumed == [False]
     rows.apply(plan)
     assert row.block_ids == [[3, 8, 9]]
+    seq.num_computed_tokens = 7  # a decode that needs no new block sends none
+    plan = builder.build(SchedulerOutput(scheduled=[ScheduledSeq(seq, 1, True)])).plan
+    assert plan.cached_requests.new_block_ids == [None]
+    rows.apply(plan)
+    assert row.block_ids == [[3, 8, 9]] and row.num_computed_tokens == 7
     builder.drop("a")
     builder.drop("a")
     plan = builder.build(SchedulerOutput()).plan
@@ -280,23 +284,29 @@ def test_reused_id_gets_a_fresh_row_and_the_old_token_is_not_appended() -> None:
     builder, rows = StepPlanBuilder(), WorkerRows()
     old = Sequence("x", [1, 2, 3], SamplingParams())
     old.block_table = [0]
-    old_row = rows.apply(builder.build(SchedulerOutput(scheduled=[ScheduledSeq(old, 3, True)])).plan)[0].row
+    old_row = rows.apply(builder.build(SchedulerOutput(scheduled=[ScheduledSeq(old, 3, True)])).plan).rows[0]
     old_row.mark_pending(0)
     builder.drop("x")  # aborted while its token is in flight
     new = Sequence("x", [7, 7], SamplingParams())
     new.block_table = [1]
     plan = builder.build(SchedulerOutput(scheduled=[ScheduledSeq(new, 2, True)])).plan
     assert plan.finished_req_ids == ["x"] and [r.request_id for r in plan.new_requests] == ["x"]
-    (work,) = rows.apply(plan)
-    assert work.row is not old_row and work.row.token_ids == [7, 7]
-    assert rows.holds(work.row) and not rows.holds(old_row)  # StepWorker.collect skips old_row's token
+    (row,) = rows.apply(plan).rows
+    assert row is not old_row and row.token_ids == [7, 7]
+    assert rows.holds(row) and not rows.holds(old_row)
+    old_row.confirm_token(5)  # the old step's token, read back late (StepWorker.collect)
+    assert row.token_ids == [7, 7] and row.num_pending_tokens == 0
 
 
 def test_plans_naming_unknown_or_duplicate_rows_are_rejected() -> None:
+    def delta(rid: str, blocks, computed: int, n: int) -> CachedRequests:
+        cached = CachedRequests()
+        cached.append(rid, blocks, num_computed_tokens=computed, num_scheduled_tokens=n, sample=True)
+        return cached
+
     rows = WorkerRows()
     with pytest.raises(ValueError, match="does not hold"):
-        rows.apply(StepPlan(step_id=0, cached_requests=[CachedRequest(
-            request_id="ghost", new_block_ids=[[]], num_computed_tokens=0, num_scheduled_tokens=1, sample=True)]))
+        rows.apply(StepPlan(step_id=0, cached_requests=delta("ghost", None, 0, 1)))
     with pytest.raises(ValueError, match="does not hold"):
         rows.apply(StepPlan(step_id=0, preempted_req_ids=["ghost"]))
     new = NewRequest(request_id="a", token_ids=[1, 2], num_prompt_tokens=2, sampling_params=SamplingParams(),
@@ -307,6 +317,8 @@ def test_plans_naming_unknown_or_duplicate_rows_are_rejected() -> None:
     with pytest.raises(ValueError, match="cache groups"):
         rows.apply(StepPlan(step_id=2, num_cache_groups=2))
     with pytest.raises(ValueError, match="cannot run"):
-        host_inputs_from_rows(rows.apply(StepPlan(step_id=3, cached_requests=[CachedRequest(
-            request_id="a", new_block_ids=[[]], num_computed_tokens=2, num_scheduled_tokens=1, sample=True)])),
-            BLOCK_SIZE)
+        host_inputs_from_rows(rows.apply(StepPlan(step_id=3, cached_requests=delta("a", None, 2, 1))), BLOCK_SIZE)
+    with pytest.raises(ValueError, match="cache groups"):
+        rows.apply(StepPlan(step_id=4, cached_requests=delta("a", [[1], [2]], 0, 1)))
+    with pytest.raises(ValueError, match="blocks cannot hold"):
+        host_inputs_from_rows(rows.apply(StepPlan(step_id=5, cached_requests=delta("a", None, 0, 2))), 1)
