@@ -1,7 +1,9 @@
 """Builds a step's model inputs (token ids + attention metadata) from the scheduled batch.
 
-Two stages: `prepare_host_inputs` computes every array on the host (numpy, from the sequences'
-Python lists, so nothing waits on the device), and `host_to_device` ships them. On CUDA the
+Two stages: the host arrays are computed on the host (numpy, from Python lists, so nothing waits
+on the device) by `assemble_host_inputs` — fed by the worker's rows in the engine
+(`worker_rows.host_inputs_from_rows`), or by hand-built Sequence batches in tests and tools
+(`prepare_host_inputs`) — and `host_to_device` ships them. On CUDA the
 arrays go through `PinnedStaging` — packed into two reusable pinned buffers, copied with
 `non_blocking=True` — so building a step's inputs never stalls the host on the GPU. The CUDA-graph
 runner (`cuda_graphs.py`) pads the same host arrays and copies them into its fixed buffers.
