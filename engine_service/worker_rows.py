@@ -158,6 +158,10 @@ class WorkerRows:
             row.block_ids = [[] for _ in range(self.num_cache_groups)]
             row.num_computed_tokens = 0
         cached = plan.cached_requests
+        columns = (cached.new_block_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.sample,
+                   cached.resumed)
+        if any(len(column) != len(cached.request_ids) for column in columns):
+            raise ValueError("the plan's cached-request columns differ in length")
         batch_rows: list[RequestRow] = []
         groups = self.num_cache_groups
         for rid, added, computed, resumed in zip(cached.request_ids, cached.new_block_ids,
@@ -177,8 +181,6 @@ class WorkerRows:
                 row.block_ids = [[] for _ in range(groups)]
             row.num_computed_tokens = computed
             batch_rows.append(row)
-        if len(batch_rows) != len(cached.num_scheduled_tokens) or len(batch_rows) != len(cached.sample):
-            raise ValueError("the plan's cached-request columns differ in length")
         num_scheduled = list(cached.num_scheduled_tokens)
         sample = list(cached.sample)
         for req in plan.new_requests:

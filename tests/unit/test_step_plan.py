@@ -320,5 +320,78 @@ def test_plans_naming_unknown_or_duplicate_rows_are_rejected() -> None:
         host_inputs_from_rows(rows.apply(StepPlan(step_id=3, cached_requests=delta("a", None, 2, 1))), BLOCK_SIZE)
     with pytest.raises(ValueError, match="cache groups"):
         rows.apply(StepPlan(step_id=4, cached_requests=delta("a", [[1], [2]], 0, 1)))
+    ragged = delta("a", None, 0, 1)
+    ragged.sample.append(True)
+    with pytest.raises(ValueError, match="differ in length"):
+        rows.apply(StepPlan(step_id=6, cached_requests=ragged))
     with pytest.raises(ValueError, match="blocks cannot hold"):
         host_inputs_from_rows(rows.apply(StepPlan(step_id=5, cached_requests=delta("a", None, 0, 2))), 1)
+
+
+# -- 4. old/new end to end on a real (tiny) model ---------------------------------------------------
+
+
+def _sequence_path_tokens(runner, config: EngineConfig, requests) -> dict[str, list[int]]:
+    """The engine loop as it was before the plan: the runner and the sampler read the scheduler's
+    Sequences directly (no overlap)."""
+    from tandem.engine_service.kv_cache import BlockManager
+    from tandem.engine_service.sampler import Sampler
+    from tandem.engine_service.scheduler import Scheduler
+    from tandem.engine_service.sequence import Sequence
+    from tandem.engine_service.stopping import check_stop
+
+    bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True)
+    scheduler = Scheduler(config.scheduler, bm, runner.max_model_len)
+    sampler = Sampler(vocab_size=runner.vocab_size)
+    seqs = {rid: Sequence(rid, tokens, params, eos_token_ids=tuple(runner.eos_token_ids))
+            for rid, tokens, params in requests}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    while scheduler.has_work():
+        out = scheduler.schedule()
+        if out.scheduled:
+            logits = runner.execute(out.scheduled)
+            sampling = [item.seq for item in out.scheduled if item.sample]
+            for seq, token in zip(sampling, sampler.sample(logits, sampling).token_ids):
+                seq.append_token(token)
+                check_stop(seq, runner.max_model_len)
+        scheduler.update(out)
+    assert scheduler.num_preemptions > 0
+    return {rid: seq.output_token_ids for rid, seq in seqs.items()}
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_engine_through_plans_matches_the_sequence_path_on_a_real_model(overlap: str) -> None:
+    from tandem.engine_service.model_runner import ModelRunner
+
+    def config(mode: str) -> EngineConfig:
+        return EngineConfig(
+            ModelConfig(model="dummy:tiny-qwen3", max_model_len=96),
+            CacheConfig(block_size=BLOCK_SIZE, num_blocks=20),  # small: preemptions happen
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, overlap_scheduling=mode),
+        )
+
+    runner = ModelRunner(config("off"))
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 300) for _ in range(8)]
+    requests = []
+    for i in range(7):
+        # Greedy or seeded only: unseeded rows share one generator, whose draws depend on batch order.
+        params = SamplingParams(max_tokens=10 + i, temperature=0.0 if i % 2 else 0.9, top_k=30 if i % 3 else 0,
+                                top_p=0.9, seed=None if i % 2 else 100 + i, ignore_eos=True,
+                                min_tokens=2, stop_token_ids=[7] if i == 3 else [],
+                                repetition_penalty=1.2 if i == 2 else 1.0,
+                                frequency_penalty=0.5 if i == 4 else 0.0)
+        prompt = (shared if i % 2 else []) + [rng.randrange(3, 300) for _ in range(5 + 2 * i)]
+        requests.append((f"r{i}", prompt, params))
+    expected = _sequence_path_tokens(runner, config("off"), requests)
+    engine = LLMEngine(config(overlap), runner=runner)
+    for rid, tokens, params in requests:
+        engine.add_request(rid, tokens, params)
+    got = {rid: [] for rid, _, _ in requests}
+    while engine.has_work():
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+    assert engine.scheduler.num_preemptions > 0 and len(engine.worker.rows) == 0
+    assert got == expected
+    assert any(len(t) > 5 for t in got.values())
