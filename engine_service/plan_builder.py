@@ -101,6 +101,7 @@ class StepPlanBuilder:
         cached = CachedRequests()
         ids, blocks, computed = cached.request_ids, cached.new_block_ids, cached.num_computed_tokens
         scheduled, sample, resumed = cached.num_scheduled_tokens, cached.sample, cached.resumed
+        state_slots = cached.state_slots
         new: list[NewRequest] = []
         cached_items: list[ScheduledSeq] = []
         new_items: list[ScheduledSeq] = []
@@ -126,6 +127,7 @@ class StepPlanBuilder:
                 blocks.append([table[sent[0]:]] if len(table) > sent[0] else None)
                 resumed.append(False)
             sent[0] = len(table)
+            state_slots.append(None)  # no model declares per-request state yet
             computed.append(seq.num_computed_tokens)
             scheduled.append(item.num_new_tokens)
             sample.append(item.sample)

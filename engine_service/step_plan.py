@@ -58,7 +58,9 @@ class CachedRequests(msgspec.Struct, kw_only=True, array_like=True, gc=False):
 
     `new_block_ids[i]` is None when request i got no new block, else its added block ids per
     cache group — appended to the row's tables, or, when `resumed[i]` (back from a preemption),
-    the whole new tables. `num_computed_tokens[i]` is authoritative (prefix hits after a resume
+    the whole new tables. `state_slots[i]` is the slot a resumed request holds now (a slot is
+    given back at preemption and taken again at resume; None otherwise, and for requests
+    without per-request state). `num_computed_tokens[i]` is authoritative (prefix hits after a resume
     may change it). Columns rather than one object per request: a decode step of 256 requests
     then allocates a few lists instead of hundreds of objects, and the garbage collector's
     passes over them showed up as ~1 ms of host time per step.
@@ -70,12 +72,13 @@ class CachedRequests(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     num_scheduled_tokens: list[int] = msgspec.field(default_factory=list)
     sample: list[bool] = msgspec.field(default_factory=list)
     resumed: list[bool] = msgspec.field(default_factory=list)
+    state_slots: list[int | None] = msgspec.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
     def append(self, request_id: str, new_block_ids: list[list[int]] | None, num_computed_tokens: int,
-               num_scheduled_tokens: int, sample: bool, resumed: bool = False) -> None:
+               num_scheduled_tokens: int, sample: bool, resumed: bool = False, state_slot: int | None = None) -> None:
         """Add one request's delta (tests and tools; the plan builder fills the columns itself)."""
         self.request_ids.append(request_id)
         self.new_block_ids.append(new_block_ids)
@@ -83,6 +86,7 @@ class CachedRequests(msgspec.Struct, kw_only=True, array_like=True, gc=False):
         self.num_scheduled_tokens.append(num_scheduled_tokens)
         self.sample.append(sample)
         self.resumed.append(resumed)
+        self.state_slots.append(state_slot)
 
 
 class KVConnectorMetadata(msgspec.Struct, kw_only=True):

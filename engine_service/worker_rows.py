@@ -118,6 +118,10 @@ class StepBatch:
     def request_ids(self) -> list[str]:
         return [row.request_id for row in self.rows]
 
+    def block_tables(self, group: int) -> list[list[int]]:
+        """Every entry's block table in cache group `group` (what per-group metadata is built from)."""
+        return [row.block_ids[group] for row in self.rows]
+
 
 class WorkerRows:
     """The worker's persistent rows, keyed by request id; changed only by `apply` and by the
@@ -157,15 +161,16 @@ class WorkerRows:
             row = self._require(rid)
             row.block_ids = [[] for _ in range(self.num_cache_groups)]
             row.num_computed_tokens = 0
+            row.state_slot = None
         cached = plan.cached_requests
         columns = (cached.new_block_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.sample,
-                   cached.resumed)
+                   cached.resumed, cached.state_slots)
         if any(len(column) != len(cached.request_ids) for column in columns):
             raise ValueError("the plan's cached-request columns differ in length")
         batch_rows: list[RequestRow] = []
         groups = self.num_cache_groups
-        for rid, added, computed, resumed in zip(cached.request_ids, cached.new_block_ids,
-                                                 cached.num_computed_tokens, cached.resumed):
+        for rid, added, computed, resumed, slot in zip(cached.request_ids, cached.new_block_ids,
+                                                       cached.num_computed_tokens, cached.resumed, cached.state_slots):
             row = rows.get(rid)
             if row is None:
                 raise ValueError(f"{rid}: the plan names a request the worker does not hold")
@@ -179,6 +184,8 @@ class WorkerRows:
                         table.extend(more)
             elif resumed:
                 row.block_ids = [[] for _ in range(groups)]
+            if resumed:
+                row.state_slot = slot
             row.num_computed_tokens = computed
             batch_rows.append(row)
         num_scheduled = list(cached.num_scheduled_tokens)

@@ -251,8 +251,10 @@ def test_preemption_keeps_tokens_and_generator_and_resume_replaces_blocks() -> N
     delta = plan.cached_requests
     assert delta.request_ids == ["a"] and delta.resumed == [True]
     assert delta.new_block_ids == [[[3, 8]]] and delta.num_computed_tokens == [4]
+    assert delta.state_slots == [None]
     batch = rows.apply(plan)
     assert batch.rows == [row] and row.block_ids == [[3, 8]] and row.generator is generator
+    assert batch.block_tables(0) == [[3, 8]]
     assert_same_inputs(host_inputs_from_rows(batch, BLOCK_SIZE),
                        prepare_host_inputs([ScheduledSeq(seq, 2, True)], BLOCK_SIZE))
     assert not torch.equal(torch.empty(4).exponential_(generator=generator), draw_before)  # the stream goes on
@@ -320,6 +322,17 @@ def test_plans_naming_unknown_or_duplicate_rows_are_rejected() -> None:
         host_inputs_from_rows(rows.apply(StepPlan(step_id=3, cached_requests=delta("a", None, 2, 1))), BLOCK_SIZE)
     with pytest.raises(ValueError, match="cache groups"):
         rows.apply(StepPlan(step_id=4, cached_requests=delta("a", [[1], [2]], 0, 1)))
+    slotted = StepPlan(step_id=7, new_requests=[NewRequest(
+        request_id="s", token_ids=[1, 2, 3], num_prompt_tokens=3, sampling_params=SamplingParams(), eos_token_ids=[],
+        block_ids=[[4]], num_computed_tokens=0, num_scheduled_tokens=3, sample=True, state_slot=2)])
+    rows.apply(slotted)
+    assert rows.get("s").state_slot == 2
+    rows.apply(StepPlan(step_id=8, preempted_req_ids=["s"]))
+    assert rows.get("s").state_slot is None and rows.get("s").block_ids == [[]]
+    resume = CachedRequests()
+    resume.append("s", [[6]], num_computed_tokens=0, num_scheduled_tokens=3, sample=True, resumed=True, state_slot=5)
+    back = rows.apply(decode_plan(encode_plan(StepPlan(step_id=9, cached_requests=resume))))
+    assert back.rows[0].state_slot == 5 and back.rows[0].block_ids == [[6]]
     ragged = delta("a", None, 0, 1)
     ragged.sample.append(True)
     with pytest.raises(ValueError, match="differ in length"):
