@@ -120,7 +120,7 @@ class TraceRunner:
         self.gen = torch.Generator().manual_seed(seed)
         self.engine: LLMEngine | None = None
         self.expected: list = []  # the step's ScheduledSeq entries, in plan batch order
-        self.steps = self.pending_steps = self.preempted_rows_seen = 0
+        self.steps = self.pending_steps = self.preemptions = self.resumes = 0
 
     def forward(self, host: HostInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         engine = self.engine
@@ -175,6 +175,7 @@ def _run_trace(seed: int, overlap: str) -> TraceRunner:
     def build_and_ship(out):
         planned = build(out)
         runner.expected = planned.scheduled
+        runner.resumes += sum(planned.plan.cached_requests.resumed)
         # The worker only ever sees the plan's bytes.
         planned.plan = decode_plan(encode_plan(planned.plan))
         return planned
@@ -213,6 +214,7 @@ def test_worker_rows_match_sequence_inputs_on_random_traces(overlap: str) -> Non
     runners = [_run_trace(seed, overlap) for seed in range(12)]
     assert sum(r.steps for r in runners) > 300
     assert sum(r.preemptions for r in runners) > 0, "no trace preempted: the test lost its teeth"
+    assert sum(r.resumes for r in runners) > 0
     if overlap == "on":
         assert sum(r.pending_steps for r in runners) > 50
 
