@@ -10,6 +10,11 @@ tokens, appends them, checks stops and reports them. The host's scheduling, inpu
 output handling so run while the device computes. Steps whose sampling needs every earlier
 token on the host (repetition/presence/frequency penalties) first finish the step in flight.
 Without overlap, `step()` launches step N and finishes it before returning.
+
+The scheduler side and the worker side meet only through a `StepPlan` (step_plan.py): each
+step the `StepPlanBuilder` turns the scheduler's output into a plan (new requests whole, cached
+ones as deltas, drops), the `StepWorker` applies it to its persistent rows and runs it, and hands
+back sampled token ids; appending them to the `Sequence`s, stop checks and outputs stay here.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ import structlog
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.kv_cache import BlockManager
 from tandem.engine_service.model_runner import ModelRunner
-from tandem.engine_service.sampler import PendingSample, Sampler, TokenLogprobs
+from tandem.engine_service.plan_builder import StepPlanBuilder
+from tandem.engine_service.sampler import Sampler, TokenLogprobs
 from tandem.engine_service.scheduler import Scheduler, SchedulerOutput
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence
 from tandem.engine_service.stopping import check_stop
+from tandem.engine_service.worker import StepWorker, WorkerStep
 
 log = structlog.get_logger(__name__)
 
@@ -65,8 +72,8 @@ class LaunchedStep:
     """A step queued on the device whose sampled tokens are not yet on the host."""
 
     plan: SchedulerOutput
-    sampling: list[Sequence]  # in sampled-token row order
-    sample: PendingSample | None
+    sampling: list[Sequence]  # in sampled-token row order (the step plan's batch order)
+    worker_step: WorkerStep | None  # None when the plan ran nothing
 
 
 class LLMEngine:
@@ -84,6 +91,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.sampler = Sampler(vocab_size=self.runner.vocab_size)
+        self.plan_builder = StepPlanBuilder()
+        self.worker = StepWorker(self.runner, self.sampler)
         self.eos_token_ids = tuple(self.runner.eos_token_ids)
         self.counters = EngineCounters()
         self._first_scheduled: dict[str, float] = {}
@@ -112,12 +121,15 @@ class LLMEngine:
     def abort(self, request_id: str) -> Sequence | None:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
+            self.plan_builder.drop(request_id)
             self.counters.aborted_requests += 1
             self._first_scheduled.pop(request_id, None)
         return seq
 
     def has_work(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_work()
+        """Whether `step()` has something to do: requests, a step in flight, or endings the
+        worker has not been told of yet (they ride on the next plan)."""
+        return self._in_flight is not None or self.scheduler.has_work() or self.plan_builder.has_pending_drops
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -141,6 +153,9 @@ class LLMEngine:
         if previous is not None:
             self._finish(previous, outputs)
         self._forget_finished(outputs)
+        if not plan.scheduled:
+            # Nothing ran: the worker still hears of preemptions and endings (a plan of drops).
+            self.worker.launch(self.plan_builder.build(plan).plan)
         return list(outputs.values())
 
     def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
@@ -148,22 +163,20 @@ class LLMEngine:
         now = time.monotonic()
         for item in plan.scheduled:
             self._first_scheduled.setdefault(item.seq.request_id, now)
-        previous_tokens = previous.sample.token_ids if previous is not None and previous.sample is not None else None
-        logits = self.runner.execute(plan.scheduled, previous_tokens)
+        planned = self.plan_builder.build(plan)
+        worker_step = self.worker.launch(planned.plan, previous.worker_step if previous is not None else None)
         self.scheduler.begin_step(plan)
-        sampling = [item.seq for item in plan.scheduled if item.sample]
-        sample = None
-        if sampling:
-            sample = self.sampler.sample_async(logits, sampling)
-            for row, seq in enumerate(sampling):
-                seq.mark_pending(row)
-        self.counters.steps += 1
-        return LaunchedStep(plan, sampling, sample)
+        sampling = planned.sampling
+        for row, seq in enumerate(sampling):
+            seq.mark_pending(row)
+        if worker_step is not None:
+            self.counters.steps += 1
+        return LaunchedStep(plan, sampling, worker_step)
 
     def _finish(self, step: LaunchedStep, outputs: dict[str, StepOutput]) -> None:
         """Wait for `step`'s tokens; append them, check stops, fill `outputs`, release blocks."""
-        if step.sample is not None:
-            sampled = step.sample.result()
+        sampled = self.worker.collect(step.worker_step) if step.worker_step is not None else None
+        if sampled is not None:
             for seq, token_id, lp in zip(step.sampling, sampled.token_ids, sampled.logprobs):
                 if seq.is_finished:
                     continue  # aborted, or ended by an earlier token while this one was computed
@@ -204,6 +217,7 @@ class LLMEngine:
     def _forget_finished(self, outputs: dict[str, StepOutput]) -> None:
         for o in outputs.values():
             if o.finished:
+                self.plan_builder.drop(o.request_id)
                 self.counters.finished_requests += 1
                 self._first_scheduled.pop(o.request_id, None)
 

@@ -8,7 +8,7 @@ only in that count. Running sequences go first (in arrival order), then waiting 
 One step, as driven by the engine:
 
     out = scheduler.schedule()
-    runner.execute(out.scheduled)            # writes K/V, returns logits of `sample` rows
+    worker.launch(plan_builder.build(out).plan)   # the worker runs it from its own rows
     scheduler.begin_step(out)                # the step's tokens count as computed
     for each sampled seq: seq.mark_pending(row)    # sampled on the device
     ... later: seq.confirm_token(t); check_stop(seq)   # read back; may call seq.finish()

@@ -145,6 +145,47 @@ def test_gpu_only_measurements_raise_a_clear_error_on_cpu(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # no result file for a run that cannot happen
 
 
+def test_roofline_drives_the_runner_through_a_step_plan(one_torch_thread):
+    """The roofline's fake batches reach the runner as the engine's do (a step plan applied to a
+    worker's rows); on CPU the logits equal the Sequence-shaped input path's on the same tokens."""
+    import numpy as np
+
+    from tandem.bench.roofline import PlannedBatch, decode_path, fake_plan, make_worker
+    from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from tandem.engine_service.model_runner import ModelRunner
+    from tandem.engine_service.scheduler import ScheduledSeq
+    from tandem.engine_service.sequence import Sequence
+
+    runner = ModelRunner(EngineConfig(ModelConfig(model=TINY), CacheConfig(block_size=4, num_blocks=40),
+                                      SchedulerConfig()))
+    worker = make_worker(runner)
+    plan, aliased = fake_plan(3, 10, 1, runner.block_size, runner.num_blocks, runner.vocab_size,
+                              np.random.default_rng(0))
+    assert not aliased and [r.block_ids for r in plan.new_requests] == [[[0, 1, 2]], [[3, 4, 5]], [[6, 7, 8]]]
+    with pytest.raises(ValueError, match="pool has"):
+        fake_plan(20, 10, 1, runner.block_size, runner.num_blocks, runner.vocab_size, np.random.default_rng(0))
+    planned = PlannedBatch(worker, plan)
+    assert decode_path(runner, planned) == "eager" and len(worker.rows) == 3
+    # The K/V the decode reads must exist: fill the caches with the prompts first (the same way).
+    prefill, _ = fake_plan(3, 10, 10, runner.block_size, runner.num_blocks, runner.vocab_size,
+                           np.random.default_rng(0), tag="-fill")
+    filled = PlannedBatch(worker, prefill)
+    filled.execute()
+    filled.release()
+    logits = planned.execute()
+    again = planned.execute()  # a planned batch may be timed repeatedly: rows are not advanced
+    torch.testing.assert_close(logits, again, atol=0, rtol=0)
+    seqs = []
+    for req in plan.new_requests:
+        seq = Sequence(req.request_id, req.token_ids, req.sampling_params)
+        seq.block_table, seq.num_computed_tokens = req.block_ids[0], req.num_computed_tokens
+        seqs.append(ScheduledSeq(seq, 1, True))
+    torch.testing.assert_close(logits, runner.execute(seqs), atol=0, rtol=0)
+    assert logits.shape == (3, runner.vocab_size)
+    planned.release()
+    assert len(worker.rows) == 0
+
+
 # -- throughput ----------------------------------------------------------------------------------
 
 
