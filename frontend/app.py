@@ -31,6 +31,8 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 @dataclass
 class FrontendOptions:
+    """Everything `serve_frontend` needs, validated by the CLI that builds it."""
+
     host: str = "0.0.0.0"
     port: int = 50051
     engines: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])
@@ -41,8 +43,10 @@ class FrontendOptions:
     engine_wait_timeout: float = 900.0
     security: SecurityOptions = field(default_factory=SecurityOptions)  # clients → frontend (server side)
     engine_security: SecurityOptions = field(default_factory=SecurityOptions)  # frontend → engines (client side)
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str | None = None  # None: the service's own `host` (same interface policy)
     metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
+    tokenizer_workers: int = 2  # threads tokenizing prompts, each with its own tokenizer
+    max_pending_tokenize: int = 256  # prompts queued for those threads before RESOURCE_EXHAUSTED
     reflection: bool = False  # serve grpc.reflection
     engine_transport: str = "stream"  # "stream" (a call per choice) or "mux" (one stream per engine)
     listen_when_ready: bool = False  # extra workers on a shared port listen only once ready
@@ -52,7 +56,8 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> R
     """Waits for the engines, then loads the tokenizer and the model's limits."""
     await pool.wait_ready(timeout=options.engine_wait_timeout)
     info = pool.limits_info()
-    path = options.tokenizer_path or pool.replicas[0].model_info.get("model_path")
+    ready = next(r for r in pool.replicas if r.model_info)
+    path = options.tokenizer_path or ready.model_info.get("model_path")
     if not path:
         raise RuntimeError("no tokenizer: pass --tokenizer (the engine serves a model without one)")
     loop = asyncio.get_running_loop()
@@ -87,9 +92,13 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
                       interceptors=engine_security.aio_client_interceptors(),
                       transport=options.engine_transport)
     registry = new_registry()
-    servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(pool, registry))
+    servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(pool, registry),
+                                access=options.security.access_policy(),
+                                tokenizer_workers=options.tokenizer_workers,
+                                max_pending_tokenize=options.max_pending_tokenize)
+    metrics_host = options.metrics_host if options.metrics_host is not None else options.host
     metrics_endpoint = (
-        start_metrics_endpoint(registry, options.metrics_host, options.metrics_port)
+        start_metrics_endpoint(registry, metrics_host, options.metrics_port)
         if options.metrics_port is not None else None
     )
     add_service(server, servicer, frontend_pb2.DESCRIPTOR.services_by_name["Frontend"])
@@ -133,6 +142,7 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     await health.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     await pool.close()
+    servicer.close()
     if metrics_endpoint is not None:
         metrics_endpoint.close()
     log.info("frontend_stopped")

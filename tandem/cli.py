@@ -88,7 +88,9 @@ def _security(args, prefix: str = ""):
 
 def _metrics_args(p: argparse.ArgumentParser, engine_child: bool = False) -> None:
     g = p.add_argument_group("metrics")
-    g.add_argument("--metrics-host", default="0.0.0.0", help="Prometheus endpoint bind address (default: %(default)s)")
+    g.add_argument("--metrics-host", default=None,
+                   help="Prometheus endpoint bind address (default: the service's own --host"
+                        + (", and --engine-host for the engine child's" if engine_child else "") + ")")
     g.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port" + (" (the frontend's)" if engine_child else "")
                    + "; off when not given")
@@ -98,7 +100,7 @@ def _metrics_args(p: argparse.ArgumentParser, engine_child: bool = False) -> Non
 
 
 def _metrics_options(args) -> dict:
-    return {"metrics_host": args.metrics_host, "metrics_port": args.metrics_port}
+    return {"metrics_host": args.metrics_host or args.host, "metrics_port": args.metrics_port}
 
 
 def _engine_metrics_argv(args) -> list[str]:
@@ -107,7 +109,7 @@ def _engine_metrics_argv(args) -> list[str]:
         return []
     if args.engine_metrics_port == args.metrics_port and args.metrics_port != 0:
         raise SystemExit("tandem: --metrics-port and --engine-metrics-port must differ (two processes)")
-    return ["--metrics-host", args.metrics_host, "--metrics-port", str(args.engine_metrics_port)]
+    return ["--metrics-host", args.metrics_host or args.engine_host, "--metrics-port", str(args.engine_metrics_port)]
 
 
 def _fault_after_steps() -> int | None:
@@ -290,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--default-max-tokens", type=int, default=256)
     serve.add_argument("--drain-timeout", type=float, default=30.0)
-    add_security_args(serve)  # clients → frontend
+    add_security_args(serve, admin=True)  # clients → frontend
     add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
     _metrics_args(serve, engine_child=True)
     serve.set_defaults(fn=cmd_serve)
@@ -319,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     front.add_argument("--served-model-name", default=None)
     front.add_argument("--default-max-tokens", type=int, default=256)
     front.add_argument("--drain-timeout", type=float, default=30.0)
-    add_security_args(front)  # clients → frontend
+    add_security_args(front, admin=True)  # clients → frontend
     add_security_args(front, "engine-", server=False, client=True)  # frontend → engines
     _metrics_args(front)
     front.set_defaults(fn=cmd_frontend)
