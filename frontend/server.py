@@ -221,12 +221,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
 
     async def _prepare_unless_aborted(self, request, reg, active: ActiveRequest, context) -> PreparedRequest | None:
         """Tokenizes on the pool; None as soon as an abort arrives (the tokenizer's result is dropped)."""
-        try:
-            job = asyncio.ensure_future(self.tokenize_pool.run(self._prepare_with, request, reg.external_id,
-                                                               reg.internal_ids))
-        except TokenizerBusy as exc:
-            context.set_trailing_metadata((("retry-after", "1"),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
+        job = asyncio.ensure_future(self.tokenize_pool.run(self._prepare_with, request, reg.external_id,
+                                                           reg.internal_ids))
         aborted = asyncio.ensure_future(active.aborted.wait())
         try:
             await asyncio.wait((job, aborted), return_when=asyncio.FIRST_COMPLETED)
@@ -242,6 +238,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             return job.result()
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TokenizerBusy as exc:
+            context.set_trailing_metadata((("retry-after", "1"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
 
     def _prepare_with(self, tokenizer, request, external_id: str, internal_ids: list[str]) -> PreparedRequest:
         return self.builder.prepare(request, external_id, internal_ids, tokenizer=tokenizer)
@@ -358,7 +357,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                     self._attach_logprobs(msg, choices)
                 yield msg
         finally:
-            active.end_choices = None
+            active.end_choices = lambda: 0  # every choice has ended: a late ABORT ends none
             replica.in_flight -= 1
             for call in calls:
                 call.cancel()

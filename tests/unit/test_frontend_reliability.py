@@ -139,7 +139,9 @@ def tokenizer(smollm2_dir) -> SlowTokenizer:
 class Stack:
     """A fake engine and a real frontend, both served on loopback in this event loop."""
 
-    def __init__(self, tokenizer, smollm2_dir, security: SecurityOptions | None = None, **engine_kw) -> None:
+    def __init__(self, tokenizer, smollm2_dir, security: SecurityOptions | None = None,
+                 pool: tuple[int, int] = (2, 256), **engine_kw) -> None:
+        self.pool_size = pool
         self.tokenizer = tokenizer
         self.model_path = str(smollm2_dir)
         self.security = security or SecurityOptions()
@@ -153,7 +155,7 @@ class Stack:
         self.ids = RequestIdMap("t")
         self.servicer = FrontendServicer(self.pool, self.ids, self.metrics, access=self.security.access_policy())
         builder = RequestBuilder(self.tokenizer, Limits(VOCAB, MAX_LEN, 16), "smol")
-        self.servicer.attach(builder, TokenizePool(self.tokenizer, workers=2))
+        self.servicer.attach(builder, TokenizePool(self.tokenizer, *self.pool_size))
         self.server = grpc.aio.server(interceptors=self.security.server_interceptors())
         add_service(self.server, self.servicer, frontend_pb2.DESCRIPTOR.services_by_name["Frontend"])
         port = self.server.add_insecure_port("127.0.0.1:0")
@@ -211,6 +213,26 @@ def test_slow_tokenization_does_not_stall_other_requests(tokenizer, smollm2_dir)
             assert len(reply.choices[0].token_ids) == 4
             assert quick < 0.9, f"a short request took {quick:.2f}s behind a slow tokenization"
             assert (await slow).choices[0].finish_reason == C.FINISH_REASON_LENGTH
+
+    run(scenario())
+
+
+def test_tokenizer_queue_is_bounded(tokenizer, smollm2_dir):
+    """Failure 2: past the tokenizer pool's bound a prompt gets RESOURCE_EXHAUSTED with a retry
+    hint at once, instead of queueing unbounded work behind a slow one."""
+
+    async def scenario():
+        async with Stack(tokenizer, smollm2_dir, pool=(1, 1)) as s:
+            slow = asyncio.ensure_future(s.generate("SLOW prompt"))
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await s.generate("Hello there")
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert ("retry-after", "1") in tuple(err.value.trailing_metadata() or ())
+            assert time.monotonic() - started < 0.5
+            await slow
+            assert len((await s.generate("Hello again")).choices[0].token_ids) == 4  # the slot is free again
 
     run(scenario())
 
