@@ -44,4 +44,4 @@ def test_oversized_prompt_is_refused_without_tokenizing(client):
     with pytest.raises(grpc.RpcError) as err:
         client.generate("a" * (4 * 1024 * 1024 - 64), max_tokens=2)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("prompt")
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.0  # tokenizing it alone took ~1.8 s

@@ -113,7 +113,7 @@ class SlowTokenizer(TextTokenizer):
     """The real tokenizer, except that prompts starting with "SLOW" take `slow_s` to encode while
     holding the tokenizer's lock, as a multi-megabyte prompt does in the Rust tokenizer."""
 
-    slow_s = 1.5
+    slow_s = 3.0
 
     def encode(self, text, add_special_tokens=True):
         if text.startswith("SLOW"):
@@ -200,7 +200,7 @@ def run(coro):
 
 # -- failure 2: one client's prompt stalls the others -------------------------------------------------
 def test_slow_tokenization_does_not_stall_other_requests(tokenizer, smollm2_dir):
-    """Failure 2: while one prompt takes 1.5 s in the tokenizer, a short request still completes
+    """Failure 2: while one prompt takes 3 s in the tokenizer, a short request still completes
     quickly (before: one tokenizer thread and one shared tokenizer serialised everyone)."""
 
     async def scenario():
@@ -211,7 +211,7 @@ def test_slow_tokenization_does_not_stall_other_requests(tokenizer, smollm2_dir)
             reply = await s.generate("Hello there")
             quick = time.monotonic() - started
             assert len(reply.choices[0].token_ids) == 4
-            assert quick < 0.9, f"a short request took {quick:.2f}s behind a slow tokenization"
+            assert quick < 1.5, f"a short request took {quick:.2f}s behind a slow tokenization"
             assert (await slow).choices[0].finish_reason == C.FINISH_REASON_LENGTH
 
     run(scenario())
@@ -230,7 +230,7 @@ def test_tokenizer_queue_is_bounded(tokenizer, smollm2_dir):
                 await s.generate("Hello there")
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert ("retry-after", "1") in tuple(err.value.trailing_metadata() or ())
-            assert time.monotonic() - started < 0.5
+            assert time.monotonic() - started < 1.5
             await slow
             assert len((await s.generate("Hello again")).choices[0].token_ids) == 4  # the slot is free again
 
@@ -251,10 +251,10 @@ def test_abort_while_waiting_for_the_tokenizer_ends_every_choice(tokenizer, smol
             assert answer == {"aborted": "early", "choices": 3}
             started = time.monotonic()
             reply = await call
-            assert time.monotonic() - started < 1.0  # not after the tokenizer and a generation
+            assert time.monotonic() - started < 2.0  # not after the tokenizer (3 s) and a generation
             assert [c.finish_reason for c in reply.choices] == [C.FINISH_REASON_ABORT] * 3
             assert all(not c.token_ids for c in reply.choices)
-            await asyncio.sleep(1.6)  # the tokenizer finishes; nothing may reach the engine
+            await asyncio.sleep(SlowTokenizer.slow_s + 0.3)  # the tokenizer finishes; nothing may reach the engine
             assert s.engine.seen == [] and len(s.ids) == 0
 
     run(scenario())

@@ -69,7 +69,7 @@ def test_mux_deadline_covers_the_request_on_the_engine():
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await asyncio.wait_for(consume(), 3.0)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert 0.25 <= loop.time() - started < 1.0
+        assert 0.25 <= loop.time() - started < 2.0
         await asyncio.sleep(0.05)
         assert stub.aborts == ["r1"]  # nothing runs on unobserved
         assert stub.submits[0][1] <= 0.3  # Submit got what was left of the deadline
