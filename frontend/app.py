@@ -16,6 +16,7 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.request_builder import RequestBuilder
 from tandem.frontend.request_ids import RequestIdMap
 from tandem.frontend.server import SERVICE_NAME, FrontendServicer
+from tandem.frontend.tokenize_pool import TokenizePool
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.grpc_service import add_service, enable_reflection
 from tandem.health import add_health
@@ -62,6 +63,7 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> R
         raise RuntimeError("no tokenizer: pass --tokenizer (the engine serves a model without one)")
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(None, TextTokenizer.from_pretrained, path)
+    await loop.run_in_executor(None, lambda: tokenizer.max_token_bytes)  # ~1 s, computed once, off the loop
     limits = Limits(
         vocab_size=info["vocab_size"],
         max_model_len=info["max_model_len"],
@@ -70,6 +72,15 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> R
     )
     name = options.served_model_name or info["model"]
     return RequestBuilder(tokenizer, limits, name, aliases=(str(path),))
+
+
+async def attach_builder(servicer: FrontendServicer, options: FrontendOptions, pool: EnginePool) -> None:
+    """Loads what the request path needs (off the event loop) and starts serving requests."""
+    builder = await build_request_builder(options, pool)
+    loop = asyncio.get_running_loop()
+    tokenize_pool = await loop.run_in_executor(None, TokenizePool, builder.tokenizer, options.tokenizer_workers,
+                                               options.max_pending_tokenize)
+    servicer.attach(builder, tokenize_pool)
 
 
 async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None = None,
@@ -93,9 +104,7 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
                       transport=options.engine_transport)
     registry = new_registry()
     servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(pool, registry),
-                                access=options.security.access_policy(),
-                                tokenizer_workers=options.tokenizer_workers,
-                                max_pending_tokenize=options.max_pending_tokenize)
+                                access=options.security.access_policy())
     metrics_host = options.metrics_host if options.metrics_host is not None else options.host
     metrics_endpoint = (
         start_metrics_endpoint(registry, metrics_host, options.metrics_port)
@@ -107,7 +116,7 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     if options.listen_when_ready:
         # An extra worker on a shared port: the kernel would hand it connections at once, so it
         # listens only once it can serve (the first worker answers health meanwhile).
-        servicer.attach(await build_request_builder(options, pool))
+        await attach_builder(servicer, options, pool)
     bound = add_port(server, f"{options.host}:{options.port}", options.security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {options.host}:{options.port}")
@@ -117,7 +126,7 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     options.security.warn_if_weak("server", options.host)
     engine_security.warn_if_weak("client", options.engines[0].rsplit(":", 1)[0])
     if servicer.builder is None:
-        servicer.attach(await build_request_builder(options, pool))
+        await attach_builder(servicer, options, pool)
     pool.start_monitor()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("frontend_ready")

@@ -79,8 +79,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     """Implements Generate / Stream / Utility on top of an `EnginePool`."""
 
     def __init__(self, pool: EnginePool, ids: RequestIdMap, metrics: FrontendMetrics | None = None,
-                 access: AccessPolicy | None = None, tokenizer_workers: int = 2,
-                 max_pending_tokenize: int = 256) -> None:
+                 access: AccessPolicy | None = None) -> None:
         self.pool = pool
         self.metrics = metrics if metrics is not None else FrontendMetrics(pool)
         self.access = access if access is not None else AccessPolicy()
@@ -88,18 +87,13 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         # every request gets UNAVAILABLE (the handlers must be registered before the server starts).
         self.builder: RequestBuilder | None = None
         self.tokenize_pool: TokenizePool | None = None
-        self.tokenizer_workers = tokenizer_workers
-        self.max_pending_tokenize = max_pending_tokenize
         self.ids = ids
         self.active: dict[str, ActiveRequest] = {}
         self.accepting = True
 
-    def attach(self, builder: RequestBuilder, tokenize_pool: TokenizePool | None = None) -> None:
-        """Starts serving with `builder`; prompts are tokenized on `tokenize_pool` (default: a pool
-        of `tokenizer_workers` threads with clones of the builder's tokenizer, which itself stays
-        with the event loop for detokenizing)."""
-        if tokenize_pool is None:
-            tokenize_pool = TokenizePool(builder.tokenizer, self.tokenizer_workers, self.max_pending_tokenize)
+    def attach(self, builder: RequestBuilder, tokenize_pool: TokenizePool) -> None:
+        """Starts serving with `builder`; prompts are tokenized on `tokenize_pool` (threads with
+        clones of the builder's tokenizer, which itself stays with the event loop for detokenizing)."""
         self.tokenize_pool = tokenize_pool
         self.builder = builder
 
