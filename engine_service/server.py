@@ -173,8 +173,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 if batch.responses:
                     yield batch
         finally:
-            for request_id in engine.channel_members(request.channel_id):
-                self._mux_requests.pop(request_id, None)
+            # Every request submitted on this channel, including those that finished in the engine
+            # but whose last output was not delivered here: their IDs must be free again.
+            for request_id in [rid for rid, (sub, _) in self._mux_requests.items()
+                               if sub.channel_id == request.channel_id]:
+                del self._mux_requests[request_id]
             engine.close_channel(request.channel_id)
 
     async def Submit(self, request, context):

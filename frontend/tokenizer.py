@@ -10,7 +10,9 @@ is ever unsafe, only briefly contended.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import json
 import os
 import threading
@@ -134,6 +136,22 @@ class TextTokenizer:
         """The wrapped tokenizer; callers that use it directly take on the threading caveat."""
         return self._tok
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes one token can stand for at most (computed once, ~1 s for 50k tokens)."""
+        with self._lock:
+            return _max_token_bytes(self._tok)
+
+    def clone(self) -> TextTokenizer:
+        """An independent copy (its own Rust tokenizer and lock) for another thread."""
+        with self._lock:
+            tok = copy.deepcopy(self._tok)
+        twin = TextTokenizer(tok, kind=self.kind, probe_passed=self.probe_passed,
+                             extra_eos_token_ids=self.eos_token_ids)
+        if "max_token_bytes" in self.__dict__:
+            twin.__dict__["max_token_bytes"] = self.__dict__["max_token_bytes"]
+        return twin
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
@@ -213,6 +231,20 @@ class TextTokenizer:
                     sequences.append(seq)
                     owner.append(index)
         return sequences, owner
+
+
+def _max_token_bytes(tok: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the UTF-8 bytes of text that one token stands for.
+
+    Each token is decoded alone: byte-level BPE gives its bytes (a partial UTF-8 sequence
+    decodes to U+FFFD, 3 bytes, never fewer than it covers); a SentencePiece piece loses its
+    leading space when decoded alone, hence the + 1. So a text of T tokens has at most
+    T * max_token_bytes bytes, for tokenizers whose normaliser does not delete text (one that
+    strips accents could shrink it).
+    """
+    texts = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=False,
+                             clean_up_tokenization_spaces=False)
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=0) + 1
 
 
 def _probe(tok: PreTrainedTokenizerBase) -> float:

@@ -56,7 +56,7 @@ def _security(args, prefix: str = ""):
 
 
 def _metrics_options(args) -> dict:
-    return {"metrics_host": args.metrics_host, "metrics_port": args.metrics_port}
+    return {"metrics_host": args.metrics_host or args.host, "metrics_port": args.metrics_port}
 
 
 def _engine_metrics_argv(args) -> list[str]:
@@ -66,7 +66,7 @@ def _engine_metrics_argv(args) -> list[str]:
     if args.engine_metrics_port == args.metrics_port and args.metrics_port != 0:
         raise StartupError("--engine-metrics-port", args.engine_metrics_port,
                            "must differ from --metrics-port (two processes)")
-    return ["--metrics-host", args.metrics_host, "--metrics-port", str(args.engine_metrics_port)]
+    return ["--metrics-host", args.metrics_host or args.engine_host, "--metrics-port", str(args.engine_metrics_port)]
 
 
 def _fault_after_steps() -> int | None:
@@ -95,7 +95,7 @@ def cmd_engine(args) -> int:
 
     _check_engine_flags(args)
     startup_checks.check_port_free("--port", args.host, args.port)
-    startup_checks.check_port_free("--metrics-port", args.metrics_host, args.metrics_port)
+    startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
     startup_checks.check_pem_files(args)
     from tandem.engine_service.app import EngineServerOptions, run_engine
 
@@ -125,7 +125,7 @@ def cmd_frontend(args) -> int:
 
     engines = args.engine or [DEFAULT_ENGINE_ADDRESS]
     startup_checks.check_port_free("--port", args.host, args.port)
-    startup_checks.check_port_free("--metrics-port", args.metrics_host, args.metrics_port)
+    startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
     startup_checks.check_pem_files(args)
     startup_checks.check_pem_files(args, "engine-")
     startup_checks.check_engines_reachable(engines, args.engine_connect_timeout)
@@ -153,8 +153,8 @@ def cmd_serve(args) -> int:
     _check_engine_flags(args)
     startup_checks.check_port_free("--port", args.host, args.port)
     startup_checks.check_port_free("--engine-port", args.engine_host, args.engine_port)
-    startup_checks.check_port_free("--metrics-port", args.metrics_host, args.metrics_port)
-    startup_checks.check_port_free("--engine-metrics-port", args.metrics_host, args.engine_metrics_port)
+    startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
+    startup_checks.check_port_free("--engine-metrics-port", args.metrics_host or args.engine_host, args.engine_metrics_port)
     startup_checks.check_pem_files(args)
     startup_checks.check_pem_files(args, "engine-")
     # Imported after the checks: a wrong flag is reported before torch loads.
@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_flags(serve, FrontendArgs, title="frontend", skip=("engine", "workers", "engine_connect_timeout"))
     options.add_flags(serve, ServeArgs, title="engine child and frontend workers")
     options.add_flags(serve, MetricsArgs, title="metrics (the frontend's)")
-    add_security_args(serve)  # clients → frontend
+    add_security_args(serve, admin=True)  # clients → frontend
     add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
     serve.set_defaults(fn=cmd_serve)
 
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_flags(front, ServerArgs, title="frontend server")
     options.add_flags(front, FrontendArgs, title="frontend")
     options.add_flags(front, MetricsArgs, title="metrics")
-    add_security_args(front)  # clients → frontend
+    add_security_args(front, admin=True)  # clients → frontend
     add_security_args(front, "engine-", server=False, client=True)  # frontend → engines
     front.set_defaults(fn=cmd_frontend)
 

@@ -67,7 +67,7 @@ class ServeArgs:
 class MetricsArgs:
     """The Prometheus endpoint of one process."""
 
-    metrics_host: str = _opt("0.0.0.0", "Prometheus endpoint bind address")
+    metrics_host: str | None = _opt(None, "Prometheus endpoint bind address (default: the service's own --host; the engine child's: --engine-host)")
     metrics_port: int | None = _opt(None, "serve Prometheus metrics on this port; off when not given")
 
 
