@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from tandem.core_protocol import EngineStats, KVTransferParams, RequestOutput, SchedulerStop
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.kv_cache import BlockManager
 from tandem.engine_service.model_runner import ModelRunner
@@ -30,23 +31,8 @@ from tandem.engine_service.stopping import check_stop
 log = structlog.get_logger(__name__)
 
 
-@dataclass
-class StepOutput:
-    """What one sequence produced in one step: new tokens and, on its last step, how it ended."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    error: str | None = None
+# One request's delta of one step: the protocol's RequestOutput (torch-free, sent per step).
+StepOutput = RequestOutput
 
 
 @dataclass
@@ -102,9 +88,15 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> Sequence:
-        seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
+        seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+                       arrival_time=arrival_time, kv_transfer_params=kv_transfer_params)
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(prompt_token_ids)
         return seq
@@ -198,8 +190,10 @@ class LLMEngine:
         o.arrival_time = seq.arrival_time
         o.first_scheduled_time = self._first_scheduled.get(seq.request_id)
         o.first_token_time = seq.first_token_time
+        o.kv_transfer_params = seq.kv_transfer_params
         if seq.finish_reason == FinishReason.ERROR:
-            o.error = str(seq.stop_reason)
+            reason = seq.stop_reason
+            o.error = reason.reason.value if isinstance(reason, SchedulerStop) else "engine error"
 
     def _forget_finished(self, outputs: dict[str, StepOutput]) -> None:
         for o in outputs.values():
@@ -208,22 +202,22 @@ class LLMEngine:
                 self._first_scheduled.pop(o.request_id, None)
 
     # -- introspection -----------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "waiting_tokens": self.scheduler.waiting_tokens,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_usage": bm.usage,
-            "prefix_cache_queries": bm.prefix_queries,
-            "prefix_cache_hits": bm.prefix_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prompt_tokens_total": self.counters.prompt_tokens,
-            "generation_tokens_total": self.counters.generation_tokens,
-            "steps_total": self.counters.steps,
-            "finished_requests_total": self.counters.finished_requests,
-            "aborted_requests_total": self.counters.aborted_requests,
-            "overlap_scheduling": self.overlap,
-        }
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            waiting_tokens=self.scheduler.waiting_tokens,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.counters.prompt_tokens,
+            generation_tokens_total=self.counters.generation_tokens,
+            steps_total=self.counters.steps,
+            finished_requests_total=self.counters.finished_requests,
+            aborted_requests_total=self.counters.aborted_requests,
+            overlap_scheduling=self.overlap,
+        )

@@ -26,22 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.core_protocol import TokenLogprobs
 from tandem.engine_service.sequence import SamplingParams, Sequence
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprob report for one sampled token, taken from the raw model distribution.
-
-    ``rank`` is the 1-based rank of the sampled token in that distribution (1 + the number of
-    tokens with a strictly higher logprob); ``top`` holds the ``params.logprobs`` most likely
-    tokens as ``(token_id, logprob)``, most likely first (empty when ``params.logprobs == 0``).
-    """
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 @dataclass

@@ -19,7 +19,9 @@ from typing import Any
 
 import jinja2
 import structlog
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+# Not `from transformers import ...`: the package's top level reaches modeling code that imports
+# torch, and the frontend must stay torch-free to import. AutoTokenizer is imported when used.
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 logger = structlog.get_logger(__name__)
 
@@ -96,6 +98,8 @@ class TextTokenizer:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], trust_remote_code: bool = False) -> TextTokenizer:
         """Loads the tokenizer of a Hugging Face model directory, preferring the fast one."""
+        from transformers import AutoTokenizer
+
         path = os.fspath(path)
         candidates: list[tuple[PreTrainedTokenizerBase, float]] = []
         errors: list[str] = []

@@ -37,6 +37,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="build and launch the next step while the current one runs on the device; "
                         "auto: on for CUDA (default: %(default)s)")
+    g.add_argument("--engine-core", default=os.environ.get("TANDEM_ENGINE_CORE", "process"),
+                   choices=["process", "thread"],
+                   help="where the engine core (scheduler, model, sampler) runs: its own process, talking "
+                        "to the gRPC server over ZeroMQ IPC, or a thread of the gRPC server's process "
+                        "(default: %(default)s)")
 
 
 def _engine_config(args):
@@ -64,7 +69,7 @@ def _engine_flags(args) -> list[str]:
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-waiting-requests", str(args.max_waiting_requests), "--max-waiting-tokens", str(args.max_waiting_tokens),
            "--seed", str(args.seed), "--attention-backend", args.attention_backend,
-           "--overlap-scheduling", args.overlap_scheduling]
+           "--overlap-scheduling", args.overlap_scheduling, "--engine-core", args.engine_core]
     for flag, value in (("--max-model-len", args.max_model_len), ("--num-kv-blocks", args.num_kv_blocks),
                         ("--cache-dir", args.cache_dir)):
         if value is not None:
@@ -124,6 +129,9 @@ def cmd_engine(args) -> int:
                                                                 drain_timeout=args.drain_timeout,
                                                                 security=_security(args), reflection=args.enable_reflection,
                                                                 fail_after_steps=_fault_after_steps(),
+                                                                engine_core=args.engine_core,
+                                                                log_level=args.log_level,
+                                                                log_format=args.log_format,
                                                                 **_metrics_options(args)))
 
 
