@@ -1,4 +1,4 @@
-"""`tandem bench roofline|throughput|serve|report`: argument parsing and the run wrapper.
+"""`tandem bench roofline|throughput|serve|overhead|transport|report`: argument parsing and the run wrapper.
 
 Each measuring subcommand writes `<out>/<kind>-<model>-<timestamp>.json` (default out:
 `bench/results/`), even when parts of it failed (they are listed under `errors`), and prints
@@ -150,6 +150,17 @@ def add_bench_parser(sub: Any) -> None:
                    help="anchor: a GPU step time at the same batch (e.g. the roofline decode step); with several --batches it applies to each, so time one batch size per anchor")
     ovh.set_defaults(fn=cmd_bench, bench_fn=_overhead)
 
+    tr = bsub.add_parser("transport", help="engine-core output transport: ZeroMQ IPC vs an OS pipe, per-step messages")
+    g = tr.add_argument_group("benchmark output")
+    g.add_argument("--out", default=DEFAULT_RESULTS_DIR, help="folder for the result JSON (default: %(default)s)")
+    g.add_argument("--max-seconds", type=float, default=300.0)
+    g = tr.add_argument_group("transport")
+    g.add_argument("--shapes", default="decode-256,decode-256-logprobs5,decode-64,decode-1",
+                   help="message shapes, comma-separated (default: %(default)s)")
+    g.add_argument("--pings", type=int, default=2000, help="round trips timed per point")
+    g.add_argument("--burst", type=int, default=5000, help="messages streamed back-to-back per point")
+    tr.set_defaults(fn=cmd_bench, bench_fn=_transport, model="core-protocol", device="cpu")
+
     rep = bsub.add_parser("report", help="write docs/benchmarks.md and its plot from bench/results/*.json")
     rep.add_argument("--results-dir", default=DEFAULT_RESULTS_DIR)
     rep.add_argument("--markdown", default="docs/benchmarks.md")
@@ -244,6 +255,17 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         frontend_workers=args.frontend_workers, client_procs=args.client_procs)
     serve.run_serve(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
     return serve.short_table
+
+
+def _transport(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import transport
+
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in transport.SHAPES]
+    if unknown:
+        raise ValueError(f"unknown shapes {unknown}; known: {sorted(transport.SHAPES)}")
+    transport.run_transport(record, shapes, args.pings, args.burst)
+    return transport.short_table
 
 
 def _overhead(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
