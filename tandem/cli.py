@@ -13,6 +13,25 @@ import threading
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+def auto_frontend_workers(cpu_count: int | None = None) -> int:
+    """`--frontend-workers auto`: one frontend process per 4 cores, 1 to 4 (the engine service's
+    gRPC process and its core process need cores of their own)."""
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return max(1, min(4, cores // 4))
+
+
+def _workers_count(text: str) -> int:
+    if text == "auto":
+        return auto_frontend_workers()
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return value
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=os.environ.get("TANDEM_MODEL", DEFAULT_MODEL),
@@ -284,10 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="engine + frontend together")
-    serve.add_argument("--frontend-workers", type=int, default=1,
-                        help="frontend processes sharing the port (SO_REUSEPORT); metrics ports count up from --metrics-port")
-    serve.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
-                        help="frontend-engine transport: a Stream call per choice, or one multiplexed stream per engine")
+    serve.add_argument("--frontend-workers", type=_workers_count, default="auto",
+                        help="frontend processes sharing the port (SO_REUSEPORT); metrics ports count up from "
+                             "--metrics-port; auto: one per 4 cores, 1 to 4 (here: %d)" % auto_frontend_workers())
+    serve.add_argument("--engine-transport", choices=["stream", "mux"], default="mux",
+                        help="frontend-engine transport: a Stream call per choice, or one multiplexed stream per "
+                             "engine (default: %(default)s, the faster one at high concurrency)")
     serve.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
     _engine_args(serve)
     serve.add_argument("--host", default="0.0.0.0", help="frontend bind address")

@@ -45,6 +45,21 @@ def _count_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
+def tandem_cli_workers(text: str) -> int:
+    from tandem.cli import _workers_count
+
+    return _workers_count(text)
+
+
+def _stack(text: str) -> dict[str, Any]:
+    from tandem.bench.serve import stack_spec
+
+    try:
+        return stack_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for part in text.split(","):
@@ -132,10 +147,16 @@ def add_bench_parser(sub: Any) -> None:
                    help="tokenizer directory for the frontend (default: the model's, or a word-level stand-in)")
     g.add_argument("--no-in-process", action="store_true", help="skip the in-process comparison")
     g.add_argument("--warmup-requests", type=int, default=8)
-    g.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
-                   help="frontend-engine transport of the served side")
-    g.add_argument("--frontend-workers", type=_ints_one, default=1,
-                   help="frontend processes of the served stack on one port (tandem serve --frontend-workers)")
+    g.add_argument("--engine-transport", choices=["stream", "mux"], default="mux",
+                   help="frontend-engine transport of the served side (default: %(default)s, as tandem serve)")
+    g.add_argument("--frontend-workers", type=tandem_cli_workers, default="auto",
+                   help="frontend processes of the served stack on one port (tandem serve --frontend-workers); "
+                        "auto as tandem serve: one per 4 cores, 1 to 4")
+    g.add_argument("--also-stack", dest="also_stacks", type=_stack, action="append", default=[],
+                   metavar="CORE:TRANSPORT:WORKERS",
+                   help="measure another served stack in the same call, e.g. thread:stream:1 (the stack "
+                        "before the engine-core process) or thread:mux:4; repeatable. The primary stack is "
+                        "--engine-core/--engine-transport/--frontend-workers")
     g.add_argument("--client-procs", type=_count_or_auto, default=1,
                    help="load-generator processes sharing each level's concurrency; 'auto' = min(4, cores // 4)")
     srv.set_defaults(fn=cmd_bench, bench_fn=_serve)
@@ -252,7 +273,8 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         requests_per_level=args.requests_per_level, level_seconds=args.level_seconds,
         startup_timeout=args.startup_timeout, tokenizer=args.tokenizer, in_process=not args.no_in_process,
         warmup_requests=args.warmup_requests, engine_transport=args.engine_transport,
-        frontend_workers=args.frontend_workers, client_procs=args.client_procs)
+        frontend_workers=args.frontend_workers, client_procs=args.client_procs, engine_core=args.engine_core,
+        also_stacks=args.also_stacks)
     serve.run_serve(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
     return serve.short_table
 
