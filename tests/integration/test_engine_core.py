@@ -145,9 +145,10 @@ def test_slow_consumer_does_not_slow_the_core(launch_serve):
     run("warm", read=True)
     base_s, base_steps, _ = run("fast", read=True)
     slow_s, slow_steps, calls = run("slow", read=False)  # nobody has read a single message yet
-    # The same work took the same number of steps, and not much longer: the core never waited
-    # on the consumers (a core that did would stall once their windows filled, and never finish).
-    assert slow_steps == base_steps
+    # The same work took as many steps (give or take admission landing a step apart) and not much
+    # longer: the core never waited on the consumers (a core that did would stall once their
+    # flow-control windows filled, and never finish).
+    assert abs(slow_steps - base_steps) <= n, (slow_steps, base_steps)
     assert slow_s < 2.0 * base_s + 2.0, (slow_s, base_s)
     # Everything is still delivered, coalesced, once the consumers read.
     for call in calls:
