@@ -231,6 +231,18 @@ def serve_rows(records: list[Record]) -> tuple[list[list[Any]], list[str]]:
     return rows, notes
 
 
+def transport_rows(records: list[Record]) -> list[list[Any]]:
+    rows = []
+    for path, data in latest_per_key(records, "transport"):
+        env = data.get("env", {})
+        for p in (data.get("results") or {}).get("points", []):
+            rows.append([device_cell(env), p.get("shape"), p.get("transport"), p.get("bytes_per_message"),
+                         _num(p.get("encode_us")), _num(p.get("send_us_in_burst")),
+                         f"{_num(p.get('round_trip_us_p50'))} / {_num(p.get('round_trip_us_p99'))}",
+                         _num(p.get("messages_per_s"), ".0f"), commit_cell(env), f"`{path.name}`"])
+    return rows
+
+
 def _headline(data: dict[str, Any]) -> str:
     res = data.get("results", {})
     kind = data.get("kind")
@@ -242,6 +254,8 @@ def _headline(data: dict[str, Any]) -> str:
         return f"{_num(res.get('ours', {}).get('output_tokens_per_s'))} out tok/s, ratio {_num(r, '.2f', '×')}"
     if kind == "overhead":
         return f"{len(res.get('points', []))} batch sizes"
+    if kind == "transport":
+        return f"{len(res.get('points', []))} transport points"
     levels = [lv for lv in res.get("levels", []) if lv.get("served", {}).get("output_tokens_per_s")]
     return f"{len(levels)} levels"
 
@@ -390,6 +404,14 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
                      "served ÷ in-process", "busiest client CPU", "commit", "versions", "result"], rows)
     if notes:
         lines += [*notes, ""]
+    transport = transport_rows(records)
+    if transport:  # the engine core's output transport (`tandem bench transport`)
+        lines += ["## Engine-core output transport", "",
+                  "One `CoreOutputs` message per step sent from a process to a child that decodes it: what the "
+                  "sender (the engine core) pays per message when streaming, the round trip of one message, "
+                  "and the streaming rate.", ""]
+        lines += _table(["host", "shape", "transport", "bytes", "encode µs", "send µs (streaming)",
+                         "round trip µs p50 / p99", "messages/s", "commit", "result"], transport)
     lines += ["## Host overhead per engine step", "",
               "Host (CPU) time of `LLMEngine.step()` with a model-free runner (`tandem bench overhead`): "
               "scheduling, host input preparation, token readback, stop checks and bookkeeping; the "
