@@ -58,6 +58,9 @@ def test_kill_core_fails_every_request_and_exits_nonzero(launch_serve):
     server, frontend, engine_addr = launch_serve([])
     engine_pid = _find(server.proc.pid, " engine ")
     core_pid = _find(engine_pid, "tandem.engine_service.core_process")
+    # The model lives in the core: the engine's gRPC process never loaded torch.
+    assert "libtorch" not in Path(f"/proc/{engine_pid}/maps").read_text()
+    assert "libtorch" in Path(f"/proc/{core_pid}/maps").read_text()
     channel = grpc.insecure_channel(engine_addr)
     stub = engine_pb2_grpc.EngineStub(channel)
     outcomes: dict[str, object] = {}
