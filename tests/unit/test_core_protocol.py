@@ -255,3 +255,48 @@ def test_multiprocess_client_matches_in_process_and_reports_core_death(engine):
             client.stop()
 
     asyncio.run(main())
+
+
+def test_core_process_dies_with_its_parent(tmp_path):
+    # A gRPC process killed with -9 must not leave its core (and its GPU memory) behind.
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        "from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig\n"
+        "from tandem.engine_service.mp_client import MultiprocessCoreClient\n"
+        "async def main():\n"
+        "    cfg = EngineConfig(ModelConfig(model='dummy:tiny-qwen3', attention_backend='torch', max_model_len=128),\n"
+        "                       CacheConfig(block_size=4, num_blocks=16), SchedulerConfig())\n"
+        "    client = await MultiprocessCoreClient.launch(cfg, log_level='warning')\n"
+        "    print('CORE_PID', client.core_pid, flush=True)\n"
+        "    await asyncio.sleep(600)\n"
+        "asyncio.run(main())\n")
+    parent = subprocess.Popen([sys.executable, "-P", str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("CORE_PID"):  # skip log lines
+            line = parent.stdout.readline()
+            assert line, "the parent exited before its core was ready"
+        core_pid = int(line.split()[1])
+        os.kill(core_pid, 0)  # alive
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(core_pid, 0)
+            except ProcessLookupError:
+                return
+            # A zombie (dead, not yet reaped by init) counts as gone.
+            with open(f"/proc/{core_pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return
+            time.sleep(0.1)
+        raise AssertionError(f"core process {core_pid} outlived its parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
