@@ -1,8 +1,8 @@
 """The engine loop body: one `step()` schedules, runs the model, samples and reports deltas.
 
 `LLMEngine` is single-threaded on purpose: the scheduler, block manager and sequences are
-touched only by the thread that calls `step()`. `AsyncEngine` (async_engine.py) owns that thread
-and talks to the gRPC server.
+touched only by the thread that calls `step()`. `EngineCore` (core.py) drives it with typed
+messages, in the engine-core process or on a thread of the gRPC process.
 
 Overlapped scheduling (on by default on CUDA): `step()` schedules and launches step N — its
 decode inputs read step N-1's sampled tokens on the device — and only then waits for step N-1's
@@ -15,7 +15,7 @@ Without overlap, `step()` launches step N and finishes it before returning.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -23,7 +23,7 @@ from tandem.core_protocol import EngineStats, KVTransferParams, RequestOutput, S
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.kv_cache import BlockManager
 from tandem.engine_service.model_runner import ModelRunner
-from tandem.engine_service.sampler import PendingSample, Sampler, TokenLogprobs
+from tandem.engine_service.sampler import PendingSample, Sampler
 from tandem.engine_service.scheduler import Scheduler, SchedulerOutput
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence
 from tandem.engine_service.stopping import check_stop

@@ -7,7 +7,6 @@ import asyncio
 import subprocess
 import sys
 
-import msgspec
 import pytest
 
 from tandem.core_protocol import (
@@ -15,7 +14,6 @@ from tandem.core_protocol import (
     CoreCodec,
     CoreFailed,
     CoreOutputs,
-    CoreReady,
     CoreRequest,
     CoreShutdown,
     EngineStats,
