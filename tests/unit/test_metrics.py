@@ -27,7 +27,7 @@ def _snapshot(**overrides) -> EngineStats:
     return EngineStats(kv_blocks_total=100, **overrides)
 
 
-def _fake_async_engine():
+def _fake_core_client():
     info = SimpleNamespace(block_size=16, kv_blocks=100, enable_prefix_caching=True, max_model_len=2048)
     return SimpleNamespace(info=info, stats_snapshot=_snapshot(), step_listeners=[])
 
@@ -38,7 +38,7 @@ def _value(registry, name: str, **labels) -> float:
 
 
 def test_snapshot_is_exposed_as_gauges_and_counters():
-    engine = _fake_async_engine()
+    engine = _fake_core_client()
     metrics = EngineMetrics(engine, "m")
     engine.stats_snapshot = _snapshot(num_running=3, num_waiting=2, kv_usage=0.25, prompt_tokens_total=40,
                                       generation_tokens_total=7, prefix_cache_queries=40, prefix_cache_hits=16,
@@ -62,7 +62,7 @@ def test_snapshot_is_exposed_as_gauges_and_counters():
 
 
 def test_step_listener_times_tokens_and_counts_endings():
-    engine = _fake_async_engine()
+    engine = _fake_core_client()
     metrics = EngineMetrics(engine, "m")
     assert engine.step_listeners == [metrics.on_step]
     r = metrics.registry
