@@ -1,8 +1,8 @@
 """The engine loop body: one `step()` schedules, runs the model, samples and reports deltas.
 
 `LLMEngine` is single-threaded on purpose: the scheduler, block manager and sequences are
-touched only by the thread that calls `step()`. `AsyncEngine` (async_engine.py) owns that thread
-and talks to the gRPC server.
+touched only by the thread that calls `step()`. `EngineCore` (core.py) drives it with typed
+messages, in the engine-core process or on a thread of the gRPC process.
 
 Overlapped scheduling (on by default on CUDA): `step()` schedules and launches step N — its
 decode inputs read step N-1's sampled tokens on the device — and only then waits for step N-1's
@@ -20,15 +20,16 @@ back sampled token ids; appending them to the `Sequence`s, stop checks and outpu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
+from tandem.core_protocol import EngineStats, KVTransferParams, RequestOutput, SchedulerStop
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.kv_cache import BlockManager
 from tandem.engine_service.model_runner import ModelRunner
 from tandem.engine_service.plan_builder import StepPlanBuilder
-from tandem.engine_service.sampler import Sampler, TokenLogprobs
+from tandem.engine_service.sampler import Sampler
 from tandem.engine_service.scheduler import Scheduler, SchedulerOutput
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence
 from tandem.engine_service.stopping import check_stop
@@ -37,23 +38,8 @@ from tandem.engine_service.worker import StepWorker, WorkerStep
 log = structlog.get_logger(__name__)
 
 
-@dataclass
-class StepOutput:
-    """What one sequence produced in one step: new tokens and, on its last step, how it ended."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    error: str | None = None
+# One request's delta of one step: the protocol's RequestOutput (torch-free, sent per step).
+StepOutput = RequestOutput
 
 
 @dataclass
@@ -111,9 +97,15 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> Sequence:
-        seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
+        seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+                       arrival_time=arrival_time, kv_transfer_params=kv_transfer_params)
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(prompt_token_ids)
         return seq
@@ -211,8 +203,10 @@ class LLMEngine:
         o.arrival_time = seq.arrival_time
         o.first_scheduled_time = self._first_scheduled.get(seq.request_id)
         o.first_token_time = seq.first_token_time
+        o.kv_transfer_params = seq.kv_transfer_params
         if seq.finish_reason == FinishReason.ERROR:
-            o.error = str(seq.stop_reason)
+            reason = seq.stop_reason
+            o.error = reason.reason.value if isinstance(reason, SchedulerStop) else "engine error"
 
     def _forget_finished(self, outputs: dict[str, StepOutput]) -> None:
         for o in outputs.values():
@@ -222,22 +216,22 @@ class LLMEngine:
                 self._first_scheduled.pop(o.request_id, None)
 
     # -- introspection -----------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "waiting_tokens": self.scheduler.waiting_tokens,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_usage": bm.usage,
-            "prefix_cache_queries": bm.prefix_queries,
-            "prefix_cache_hits": bm.prefix_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prompt_tokens_total": self.counters.prompt_tokens,
-            "generation_tokens_total": self.counters.generation_tokens,
-            "steps_total": self.counters.steps,
-            "finished_requests_total": self.counters.finished_requests,
-            "aborted_requests_total": self.counters.aborted_requests,
-            "overlap_scheduling": self.overlap,
-        }
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            waiting_tokens=self.scheduler.waiting_tokens,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.counters.prompt_tokens,
+            generation_tokens_total=self.counters.generation_tokens,
+            steps_total=self.counters.steps,
+            finished_requests_total=self.counters.finished_requests,
+            aborted_requests_total=self.counters.aborted_requests,
+            overlap_scheduling=self.overlap,
+        )

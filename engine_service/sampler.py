@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.engine_service.sampling_params import SamplingParams
+from tandem.core_protocol import SamplingParams, TokenLogprobs
 
 
 class SamplingRow(Protocol):
@@ -45,21 +45,6 @@ class SamplingRow(Protocol):
 
     @property
     def output_token_ids(self) -> list[int]: ...
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprob report for one sampled token, taken from the raw model distribution.
-
-    ``rank`` is the 1-based rank of the sampled token in that distribution (1 + the number of
-    tokens with a strictly higher logprob); ``top`` holds the ``params.logprobs`` most likely
-    tokens as ``(token_id, logprob)``, most likely first (empty when ``params.logprobs == 0``).
-    """
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 @dataclass

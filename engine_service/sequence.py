@@ -11,21 +11,15 @@ import time
 
 import torch
 
-# Re-exported: SamplingParams lives in a torch-free module (the step plan carries it).
-from tandem.engine_service.sampling_params import SamplingParams  # noqa: F401
+from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams, StopReason
+
+__all__ = ["FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop token sequence
-    LENGTH = "length"  # max_tokens or the model's context length
-    ABORT = "abort"
-    ERROR = "error"
 
 
 class Sequence:
@@ -38,6 +32,7 @@ class Sequence:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a sequence needs at least one prompt token")
@@ -62,8 +57,10 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
-        # What ended it: a stop token id (int) or the index of a stop token sequence (str "seq:<i>").
-        self.stop_reason: int | str | None = None
+        # What ended it: a stop token, a stop token sequence, or the scheduler (typed).
+        self.stop_reason: StopReason | None = None
+        # Carried from the request to its final output (disaggregation; unused by the engine yet).
+        self.kv_transfer_params = kv_transfer_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
@@ -134,7 +131,7 @@ class Sequence:
             self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
 
-    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+    def finish(self, reason: FinishReason, stop_reason: StopReason | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

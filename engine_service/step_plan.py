@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from tandem.engine_service.sampling_params import SamplingParams
+from tandem.core_protocol import SamplingParams
 
 
 class NewRequest(msgspec.Struct, kw_only=True):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tandem.engine_service.input_batch import PENDING_PLACEHOLDER, HostInputs, assemble_host_inputs
-from tandem.engine_service.sampling_params import SamplingParams
+from tandem.core_protocol import SamplingParams
 from tandem.engine_service.step_plan import NewRequest, StepPlan
 
 

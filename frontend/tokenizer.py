@@ -21,7 +21,9 @@ from typing import Any
 
 import jinja2
 import structlog
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+# Not `from transformers import AutoTokenizer`: it reaches modeling code that imports torch, and
+# the frontend must stay torch-free. AutoTokenizer is imported when a tokenizer needs it.
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 logger = structlog.get_logger(__name__)
 
@@ -58,6 +60,38 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 # transformers uses int(1e30) as "no limit known"; anything this large is not a real context.
 _MAX_SANE_MODEL_LEN = 1 << 24
+
+
+class AutoTokenizer:
+    """`transformers.AutoTokenizer`, imported on first use (importing it imports torch)."""
+
+    @staticmethod
+    def from_pretrained(*args: Any, **kwargs: Any) -> PreTrainedTokenizerBase:
+        from transformers import AutoTokenizer as _Auto
+
+        return _Auto.from_pretrained(*args, **kwargs)
+
+
+# Directories whose tokenizer_config names one of these are plain `tokenizer.json` tokenizers:
+# loaded without AutoTokenizer (whose model-config lookup imports torch), as the same class.
+_PLAIN_FAST_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _plain_fast_tokenizer(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return name in _PLAIN_FAST_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json"))
+
+
+def _load(path: str, use_fast: bool, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    if use_fast and not trust_remote_code and _plain_fast_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, use_fast=use_fast, trust_remote_code=trust_remote_code)
 
 
 class TextTokenizer:
@@ -106,7 +140,7 @@ class TextTokenizer:
                 break  # the fast tokenizer round-trips: no reason to look further
             label = "fast" if use_fast else "slow"
             try:
-                tok = AutoTokenizer.from_pretrained(path, use_fast=use_fast, trust_remote_code=trust_remote_code)
+                tok = _load(path, use_fast, trust_remote_code)
             except Exception as exc:  # noqa: BLE001 - any loader failure means "try the other one"
                 errors.append(f"{label}: {exc!r}")
                 logger.warning("tokenizer failed to load", path=path, kind=label, error=repr(exc))

@@ -24,12 +24,17 @@ from tandem.cli_options import (
     DEFAULT_ENGINE_ADDRESS,
     ENGINE_SERVER_DEFAULTS,
     ClientArgs,
+    EngineCoreArgs,
+    workers_count,
     FrontendArgs,
     MetricsArgs,
     ServeArgs,
     ServerArgs,
 )
 from tandem.startup_checks import StartupError
+
+
+_workers_count = workers_count  # `tandem bench serve --frontend-workers` parses the same way
 
 
 # -- engine flags (their declaration: engine_service/config.py; tests call these two) --------------
@@ -106,6 +111,9 @@ def cmd_engine(args) -> int:
                                                                 security=_security(args),
                                                                 reflection=server.enable_reflection,
                                                                 fail_after_steps=_fault_after_steps(),
+                                                                engine_core=args.engine_core,
+                                                                log_level=args.log_level,
+                                                                log_format=args.log_format,
                                                                 **_metrics_options(args)))
 
 
@@ -171,7 +179,8 @@ def cmd_serve(args) -> int:
         [sys.executable, "-P", "-m", "tandem.cli", "--log-level", args.log_level, "--log-format", args.log_format,
          "engine", "--host", args.engine_host, "--port", str(args.engine_port),
          "--default-max-tokens", str(server.default_max_tokens), "--drain-timeout", str(server.drain_timeout)]
-        + _engine_flags(args) + child_security_argv + _engine_metrics_argv(args)
+        + _engine_flags(args) + ["--engine-core", args.engine_core] + child_security_argv
+        + _engine_metrics_argv(args)
         + (["--enable-reflection"] if server.enable_reflection else []),
         env={**_child_env(args.engine_parser), **child_env},
     )
@@ -315,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_engine_flags(serve)
     options.add_flags(serve, ServerArgs, title="frontend server")
     options.add_flags(serve, FrontendArgs, title="frontend", skip=("engine", "workers", "engine_connect_timeout"))
-    options.add_flags(serve, ServeArgs, title="engine child and frontend workers")
+    options.add_flags(serve, ServeArgs, {"frontend_workers": "auto"}, title="engine child and frontend workers")
+    options.add_flags(serve, EngineCoreArgs, title="engine core")
     options.add_flags(serve, MetricsArgs, title="metrics (the frontend's)")
     add_security_args(serve, admin=True)  # clients → frontend
     add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
@@ -325,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_engine_flags(engine)
     options.add_flags(engine, ServerArgs, ENGINE_SERVER_DEFAULTS, title="engine server")
     options.add_flags(engine, MetricsArgs, title="metrics")
+    options.add_flags(engine, EngineCoreArgs, title="engine core")
     add_security_args(engine)
     engine.set_defaults(fn=cmd_engine)
     serve.set_defaults(engine_parser=engine)

@@ -8,6 +8,8 @@ share a field but not its default (the frontend listens on 0.0.0.0:50051, the en
 
 from __future__ import annotations
 
+import argparse
+import os
 from dataclasses import dataclass, field
 
 
@@ -42,13 +44,43 @@ class FrontendArgs:
                                     metavar="HOST:PORT")
     tokenizer: str | None = _opt(None, "model directory with the tokenizer (default: the engine's)")
     served_model_name: str | None = _opt(None, "model name clients may ask for (default: the engine's --model)")
-    engine_transport: str = _opt("stream", "frontend-engine transport: a Stream call per choice, or one "
-                                           "multiplexed stream per engine", choices=("stream", "mux"))
+    engine_transport: str = _opt("mux", "frontend-engine transport: a Stream call per choice, or one "
+                                        "multiplexed stream per engine (the faster one at high concurrency)",
+                                 choices=("stream", "mux"))
     workers: int = _opt(1, "frontend processes sharing the port (SO_REUSEPORT); metrics ports count up "
                            "from --metrics-port")
     engine_connect_timeout: float = _opt(30.0, "seconds to wait for each --engine address to accept "
                                                "connections before giving up at start; 0: no check, wait "
                                                "for the engines while answering health (orchestrators)")
+
+
+def auto_frontend_workers(cpu_count: int | None = None) -> int:
+    """`--frontend-workers auto`: one frontend process per 4 cores, 1 to 4 (the engine service's
+    gRPC process and its core process need cores of their own)."""
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return max(1, min(4, cores // 4))
+
+
+def workers_count(text: str | int) -> int:
+    """A worker count flag's value: a positive integer or `auto`."""
+    if text == "auto":
+        return auto_frontend_workers()
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return value
+
+
+@dataclass
+class EngineCoreArgs:
+    """Where the engine core (scheduler, model runner, sampler loop) runs."""
+
+    engine_core: str = _opt("process", "where the engine core runs: its own process, talking to the gRPC "
+                                       "server over ZeroMQ IPC, or a thread of the gRPC server's process",
+                            choices=("process", "thread"))
 
 
 @dataclass
@@ -57,8 +89,9 @@ class ServeArgs:
 
     engine_host: str = _opt("127.0.0.1", "engine bind address (private by default)")
     engine_port: int = _opt(50052, "engine port")
-    frontend_workers: int = _opt(1, "frontend processes sharing the port (SO_REUSEPORT); metrics ports "
-                                    "count up from --metrics-port")
+    frontend_workers: int = _opt("auto", "frontend processes sharing the port (SO_REUSEPORT); metrics ports "
+                                         "count up from --metrics-port; auto: one per 4 cores, 1 to 4",
+                                 parse=workers_count)
     engine_metrics_port: int | None = _opt(None, "serve the engine child's Prometheus metrics on this port; "
                                                  "off when not given")
 

@@ -81,7 +81,7 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls, defaults: Mapping[str,
             kwargs["default"] = default
         else:
             scale = meta.get("scale")
-            kwargs["type"] = float if scale else typ
+            kwargs["type"] = meta.get("parse") or (float if scale else typ)
             kwargs["default"] = default / scale if (scale and default is not None) else default
             if "choices" in meta:
                 kwargs["choices"] = list(meta["choices"])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from google.protobuf import json_format, struct_pb2
 
-from tandem.engine_service.sequence import FinishReason, SamplingParams
+from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
 from tandem.v1 import common_pb2
 
 MAX_LOGPROBS = 20
@@ -182,6 +182,19 @@ FINISH_TO_PROTO = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
+
+
+def kv_transfer_from_proto(msg: struct_pb2.Struct) -> KVTransferParams:
+    """The request's kv_transfer_params Struct as typed parameters; raises InvalidRequest."""
+    try:
+        return KVTransferParams.from_dict(json_format.MessageToDict(msg))
+    except ValueError as exc:
+        raise InvalidRequest("kv_transfer_params", str(exc)) from None
+
+
+def kv_transfer_to_proto(params: KVTransferParams) -> struct_pb2.Struct:
+    """Typed KV transfer parameters back as the wire's Struct."""
+    return to_struct(params.to_dict())
 
 
 def to_struct(data: dict) -> struct_pb2.Struct:

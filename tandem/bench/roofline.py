@@ -130,7 +130,7 @@ def fake_plan(num_seqs: int, context: int, num_new_tokens: int, block_size: int,
     plan and whether blocks had to be shared (only with `alias`; otherwise a pool too small
     raises `ValueError`).
     """
-    from tandem.engine_service.sampling_params import SamplingParams
+    from tandem.core_protocol import SamplingParams
     from tandem.engine_service.step_plan import NewRequest, StepPlan
 
     per_seq = -(-context // block_size)

@@ -107,7 +107,7 @@ class _Engine:
         self.channels.pop(channel, None)
         self.members.pop(channel, None)
 
-    def submit(self, request_id, prompt, params, channel=None):
+    def submit(self, request_id, prompt, params, channel=None, **_):
         self.members[channel].add(request_id)
 
     def finish(self, request_id: str, channel: str) -> None:
