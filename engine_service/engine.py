@@ -77,10 +77,10 @@ class LLMEngine:
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(
-            num_blocks=self.runner.num_blocks,
-            block_size=self.runner.block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
+        plan = getattr(self.runner, "memory_plan", None)  # stand-in runners have one plain pool
+        self.block_manager = (
+            BlockManager.from_plan(plan, config.cache.enable_prefix_caching) if plan is not None
+            else BlockManager(self.runner.num_blocks, self.runner.block_size, config.cache.enable_prefix_caching)
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.sampler = Sampler(vocab_size=self.runner.vocab_size)

@@ -23,6 +23,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from tandem.engine_service.group_tables import group_arrays
 from tandem.engine_service.layers.attention import AttentionMetadata
 from tandem.engine_service.sequence import Sequence
 
@@ -77,6 +78,8 @@ class HostInputs:
     # sampled tokens (both empty when every input id is known).
     pending_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # (block_tables, slot_mapping) of paged cache groups 1, 2, ... (group 0's are the fields above).
+    extra_groups: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -154,12 +157,9 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
     offsets = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens_np)
     positions = np.repeat(seq_lens_np - query_lens_np, query_lens_np) + offsets
 
-    max_blocks = max(len(t) for t in tables)
-    block_tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
-    for i, table in enumerate(tables):
-        block_tables[i, : len(table)] = table
-    block_ids = block_tables[seq_index, positions // block_size].astype(np.int64)
-    slot_mapping = block_ids * block_size + positions % block_size
+    num_groups = len(batch[0].seq.block_tables)
+    group_tables = [tables] + [[item.seq.block_tables[g] for item in batch] for g in range(1, num_groups)]
+    (block_tables, slot_mapping), *extra_groups = group_arrays(group_tables, seq_index, positions, block_size)
 
     input_ids = np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64, count=num_tokens)
     return HostInputs(
@@ -174,6 +174,7 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
         query_lens_cpu=query_lens,
         pending_dst=np.asarray(pending_dst, dtype=np.int64),
         pending_src=np.asarray(pending_src, dtype=np.int64),
+        extra_groups=extra_groups,
     )
 
 
@@ -216,13 +217,18 @@ def host_to_device(
     previous_tokens: torch.Tensor | None = None,
 ) -> ModelInputs:
     """Device tensors for `host`, pending tokens filled in from `previous_tokens`."""
+    extra = [a for pair in host.extra_groups for a in pair]
     tensors, fill_pending = ship_step_arrays(
-        [getattr(host, n) for n in _ARRAY_FIELDS], host, device, staging, previous_tokens
+        [*(getattr(host, n) for n in _ARRAY_FIELDS), *extra], host, device, staging, previous_tokens
     )
     arrays = dict(zip(_ARRAY_FIELDS, tensors))
+    extra_tensors = tensors[len(_ARRAY_FIELDS):]
+    extra_groups = tuple(zip(extra_tensors[0::2], extra_tensors[1::2]))
     input_ids = arrays.pop("input_ids")
     fill_pending(input_ids)
-    metadata = AttentionMetadata(**arrays, seq_lens_cpu=host.seq_lens_cpu, query_lens_cpu=host.query_lens_cpu)
+    metadata = AttentionMetadata(
+        **arrays, seq_lens_cpu=host.seq_lens_cpu, query_lens_cpu=host.query_lens_cpu, extra_groups=extra_groups
+    )
     return ModelInputs(input_ids=input_ids, metadata=metadata)
 
 

@@ -11,7 +11,9 @@ from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.cuda_graphs import DecodeCudaGraphs, capture_sizes
 from tandem.engine_service.input_batch import PinnedStaging, ScheduledLike, host_to_device, prepare_host_inputs
 from tandem.engine_service.loader import build_model, read_eos_token_ids, resolve_model
-from tandem.engine_service.memory import MemoryPlan, estimate_activation_bytes, plan_kv_cache
+from tandem.engine_service.cache_spec import CacheLayout
+from tandem.engine_service.cache_tensors import CacheTensors, allocate_cache_tensors
+from tandem.engine_service.memory import MemoryPlan, estimate_activation_bytes, plan_cache, torch_dtype_name
 
 log = structlog.get_logger(__name__)
 
@@ -38,7 +40,10 @@ class ModelRunner:
     `execute` turns a batch of `ScheduledSeq`-like entries into float32 logits for the entries
     that sample; it never changes the sequences (the scheduler advances them).
 
-    The KV cache holds `num_blocks + 1` blocks per layer: the block manager is given
+    The model declares its caches per layer group (`cache_layout`); the planner sizes each
+    group (`memory_plan`, logged one line per group) and every group's tensors are allocated
+    here (`cache_tensors`; `kv_caches` is the per-layer attention cache list the model reads).
+    Each paged group holds `num_blocks + 1` blocks per layer: the block manager is given
     `num_blocks`, and the last one (`scratch_block`) is where the dummy rows of a padded
     CUDA-graph batch write. On CUDA, step inputs travel through pinned buffers without a host
     sync, and pure-decode steps replay captured CUDA graphs (unless `enforce_eager`, or the
@@ -77,7 +82,13 @@ class ModelRunner:
                 arch.hidden_size, arch.intermediate_size, arch.num_attention_heads, arch.head_dim,
                 arch.vocab_size, sc.max_num_batched_tokens, sc.max_num_seqs, self.dtype,
             )
-        self.memory_plan: MemoryPlan = plan_kv_cache(arch, cc, self.device, self.dtype, reserved_bytes=reserved)
+        sc = config.scheduler
+        self.cache_layout: CacheLayout = self.model.cache_layout(torch_dtype_name(self.dtype))
+        self.memory_plan: MemoryPlan = plan_cache(
+            self.cache_layout, cc, self.device, max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=self.max_model_len,
+            reserved_bytes=reserved,
+        )
         self.block_size = cc.block_size
         self.num_blocks = self.memory_plan.num_blocks
         if self.num_blocks * self.block_size < self.max_model_len:
@@ -86,10 +97,10 @@ class ModelRunner:
                 cache_tokens=self.num_blocks * self.block_size, max_model_len=self.max_model_len,
             )
         self.scratch_block = self.num_blocks  # one block past the pool the block manager sees
-        shape = (2, self.num_blocks + 1, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_hidden_layers)
-        ]
+        self.cache_tensors: CacheTensors = allocate_cache_tensors(
+            self.cache_layout, self.memory_plan, arch.num_hidden_layers, self.device
+        )
+        self.kv_caches = self.cache_tensors.kv_caches
         self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if self.device.type == "cuda" and not mc.enforce_eager:
@@ -98,6 +109,11 @@ class ModelRunner:
     def _capture_cuda_graphs(self, config: EngineConfig) -> None:
         if not self.model.attn_backend.supports_cuda_graphs:
             log.info("cuda graphs off: the attention backend cannot be captured", backend=self.attention_backend)
+            return
+        if len(self.memory_plan.paged_groups) > 1:
+            # The graphs' fixed buffers hold one block table; several groups run eagerly for now.
+            log.info("cuda graphs off: the model has several paged cache groups",
+                     groups=[g.name for g in self.memory_plan.paged_groups])
             return
         graphs = DecodeCudaGraphs(
             self.model, self.kv_caches,
