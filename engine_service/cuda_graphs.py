@@ -57,11 +57,15 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
 
 
 def splits_per_bucket(
-    sizes: list[int], num_kv_heads: int, max_blocks_per_seq: int, block_size: int, num_units: int
+    sizes: list[int], num_kv_heads: int, max_blocks_per_seq: int, block_size: int, num_units: int,
+    sliding_window: int | None = None,
 ) -> dict[int, int]:
     """The decode kernel's split-KV count for each bucket: chosen from the bucket size and the
-    block table's full width only, so it is the same at capture and at every replay."""
+    block table's full width only (or the window, which bounds what a query reads), so it is the
+    same at capture and at every replay."""
     max_context = max_blocks_per_seq * block_size
+    if sliding_window is not None:
+        max_context = min(max_context, sliding_window)
     return {b: choose_num_splits(b, num_kv_heads, max_context, num_units) for b in sizes}
 
 
@@ -122,6 +126,7 @@ class DecodeCudaGraphs:
         num_kv_heads: int,
         device: torch.device,
         capture_graphs: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         if not sizes or sizes != sorted(set(sizes)):
             raise ValueError(f"bucket sizes must be ascending and distinct, got {sizes}")
@@ -133,8 +138,10 @@ class DecodeCudaGraphs:
         self.scratch_block = scratch_block
         self.device = device
         self.capture_graphs = capture_graphs
+        # The layers' windows are kernel arguments fixed per layer, so they are captured as is;
+        # only the split count (shared by every layer of a bucket) depends on the window here.
         self.num_splits = splits_per_bucket(
-            self.sizes, num_kv_heads, max_blocks_per_seq, block_size, num_compute_units(device)
+            self.sizes, num_kv_heads, max_blocks_per_seq, block_size, num_compute_units(device), sliding_window
         )
         largest = self.sizes[-1]
         # The fixed buffers, initialised as all-dummy rows (what warm-up and capture run on).

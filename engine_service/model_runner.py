@@ -123,6 +123,7 @@ class ModelRunner:
             scratch_block=self.scratch_block,
             num_kv_heads=self.arch_config.num_key_value_heads,
             device=self.device,
+            sliding_window=self.memory_plan.paged_groups[0].sliding_window,
         )
         try:
             graphs.capture()

@@ -278,3 +278,52 @@ def test_double_release_of_a_slot_is_an_error() -> None:
     bm.free(a)
     with pytest.raises(RuntimeError):
         bm.state_slots.release(slot)
+
+
+# --------------------------------------------------------------------------- runner and engine
+
+
+def test_runner_allocates_a_state_group_and_the_engine_hands_out_its_slots(monkeypatch) -> None:
+    """A model declaring a state group (no model uses one yet): the planner reserves its bytes,
+    the runner allocates its tensors, and the engine's requests take and return slots."""
+    import torch
+
+    from tandem.engine_service.cache_spec import CacheGroup, CacheLayout, StateSpec
+    from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig
+    from tandem.engine_service.engine import LLMEngine
+    from tandem.engine_service.models.llama import LlamaForCausalLM
+
+    plain_layout = LlamaForCausalLM.cache_layout
+    spec = StateSpec(((3, 5), (2, 4, 4)), ("float32", "bfloat16"))
+
+    def with_state(self, dtype: str) -> CacheLayout:
+        return CacheLayout(plain_layout(self, dtype).groups + (CacheGroup("recurrent", spec, (0, 1)),))
+
+    monkeypatch.setattr(LlamaForCausalLM, "cache_layout", with_state)
+    config = EngineConfig(
+        ModelConfig(model="dummy:tiny-llama", attention_backend="torch", max_model_len=64),
+        CacheConfig(block_size=BS, cpu_kv_cache_bytes=1 << 22),
+        SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=32, overlap_scheduling="off"),
+    )
+    engine = LLMEngine(config)
+    runner, bm = engine.runner, engine.block_manager
+    plan = runner.memory_plan
+    state = plan.state_groups[0]
+    assert (state.name, state.num_slots, state.bytes_per_slot) == ("recurrent", 3, 2 * (15 * 4 + 32 * 2))
+    per_block = plan.paged_groups[0].bytes_per_block
+    assert plan.num_blocks == ((1 << 22) - 3 * state.bytes_per_slot) // per_block
+    tensors = runner.cache_tensors.state["recurrent"]
+    assert sorted(tensors) == [0, 1]
+    assert [(tuple(t.shape), t.dtype) for t in tensors[0]] == [((4, 3, 5), torch.float32), ((4, 2, 4, 4), torch.bfloat16)]
+    assert bm.state_slots is not None and bm.state_slots.num_slots == 3
+    seen: set[int] = set()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(5):
+        engine.add_request(f"r{i}", [5 + i, 6, 7], params)
+    while engine.has_work():
+        engine.step()
+        running = engine.scheduler.running
+        slots = [s.state_slot for s in running]
+        assert None not in slots and len(set(slots)) == len(slots) <= 3
+        seen.update(slots)
+    assert seen <= {0, 1, 2} and bm.state_slots.num_free == 3
