@@ -131,17 +131,30 @@ def _scheduled(seq: Any, num_new_tokens: int) -> Any:
         return SimpleNamespace(seq=seq, num_new_tokens=num_new_tokens, sample=True)
 
 
+def live_blocks_per_seq(context: int, num_new_tokens: int, block_size: int, window: int | None) -> tuple[int, int]:
+    """(table length, blocks a sequence holds) for `context` tokens whose last `num_new_tokens`
+    run; with `window` (every layer windowed) the blocks before the first query's window are
+    given back, as the block manager does."""
+    width = -(-context // block_size)
+    first = 0 if window is None else max(0, context - num_new_tokens - window + 1) // block_size
+    return width, width - first
+
+
 def fake_batch(num_seqs: int, context: int, num_new_tokens: int, block_size: int, num_blocks: int,
-               vocab_size: int, rng: np.random.Generator, alias: bool = False) -> tuple[list[Any], bool]:
+               vocab_size: int, rng: np.random.Generator, alias: bool = False, window: int | None = None,
+               num_groups: int = 1) -> tuple[list[Any], bool]:
     """`num_seqs` running sequences of `context` tokens whose last `num_new_tokens` are to be run.
 
-    Sequence i owns blocks `[i*n, (i+1)*n)` with n = ceil(context / block_size). Returns the
-    batch and whether blocks had to be shared (only with `alias`; otherwise a pool too small
-    raises `ValueError`).
+    Sequence i owns blocks `[i*n, (i+1)*n)` with n = ceil(context / block_size) — with `window`
+    (a model whose every layer is windowed) only the blocks its queries can see, the entries
+    before them given back (`NULL_BLOCK`). Every one of `num_groups` paged groups gets the same
+    table (the roofline sizes every group's pool alike). Returns the batch and whether blocks
+    had to be shared (only with `alias`; otherwise a pool too small raises `ValueError`).
     """
+    from tandem.engine_service.kv_cache import NULL_BLOCK
     from tandem.engine_service.sequence import SamplingParams, Sequence, SequenceStatus
 
-    per_seq = -(-context // block_size)
+    width, per_seq = live_blocks_per_seq(context, num_new_tokens, block_size, window)
     if per_seq > num_blocks:
         raise ValueError(f"one sequence of {context} tokens needs {per_seq} blocks; the pool has {num_blocks}")
     aliased = num_seqs * per_seq > num_blocks
@@ -156,7 +169,8 @@ def fake_batch(num_seqs: int, context: int, num_new_tokens: int, block_size: int
         first = (i * per_seq) % num_blocks if aliased else i * per_seq
         if first + per_seq > num_blocks:
             first = 0
-        seq.block_table = list(range(first, first + per_seq))
+        table = [NULL_BLOCK] * (width - per_seq) + list(range(first, first + per_seq))
+        seq.block_tables = [list(table) for _ in range(num_groups)]
         batch.append(_scheduled(seq, num_new_tokens))
     return batch, aliased
 
@@ -183,6 +197,7 @@ def describe_runner(runner: Any) -> dict[str, Any]:
         "cuda_graph_sizes": list(getattr(graphs, "captured_sizes", [])) if graphs is not None else None,
         "block_size": runner.block_size,
         "num_blocks": runner.num_blocks,
+        "memory_plan": runner.memory_plan.as_dict() if hasattr(runner, "memory_plan") else None,
         "max_model_len": getattr(runner, "max_model_len", None),
         "dtype": str(runner.dtype).removeprefix("torch."),
     }
@@ -220,6 +235,11 @@ def replay_only(runner: Any, items: list[Any]) -> Callable[[], None] | None:
     return graph.replay
 
 
+def _num_paged_groups(runner: Any) -> int:
+    plan = getattr(runner, "memory_plan", None)
+    return len(plan.paged_groups) if plan is not None else 1
+
+
 def module_param_count(model: torch.nn.Module) -> int:
     """Parameters of the built module, tied ones once."""
     return sum(p.numel() for p in model.parameters())
@@ -229,12 +249,20 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def uniform_window(shape: DecoderConfig) -> int | None:
+    """The window when every layer attends over the same one (so whole blocks can be given
+    back), else None."""
+    windows = set(shape.windows)
+    return windows.pop() if len(windows) == 1 else None
+
+
 def plan_num_blocks(shape: DecoderConfig, dtype_bytes: int, block_size: int, options: RooflineOptions,
                     free_bytes: int, max_model_len: int) -> dict[str, int]:
-    """KV blocks to allocate: enough for the largest point, at most what memory allows."""
+    """KV blocks to allocate (per paged group): enough for the largest point, at most what memory allows."""
     per_block = kv_bytes_per_token(shape, dtype_bytes) * block_size
     contexts = [c for c in options.contexts if c <= max_model_len]
-    need = max([b * -(-c // block_size) for b in options.batches for c in contexts]
+    window = uniform_window(shape)
+    need = max([b * live_blocks_per_seq(c, 1, block_size, window)[1] for b in options.batches for c in contexts]
                + [n * -(-L // block_size) for n, L in options.prefill_shapes] + [2])
     weights = total_params(shape) * dtype_bytes
     budget = free_bytes - weights - int(options.headroom_gib * GIB)
@@ -338,7 +366,8 @@ def _decode_point(runner: Any, shape: DecoderConfig, dtype_bytes: int, batch: in
         return {**point, "status": "skipped", "reason": "time budget (--max-seconds) spent"}
     try:
         items, aliased = fake_batch(batch, context, 1, runner.block_size, runner.num_blocks, runner.vocab_size, rng,
-                                    alias=options.kv_aliasing)
+                                    alias=options.kv_aliasing, window=uniform_window(shape),
+                                    num_groups=_num_paged_groups(runner))
     except ValueError as exc:
         need = batch * context * kv_bytes_per_token(shape, dtype_bytes)
         return {**point, "status": "skipped",
@@ -383,7 +412,7 @@ def _prefill_point(runner: Any, shape: DecoderConfig, num_seqs: int, seq_len: in
         return {**point, "status": "skipped", "reason": "time budget (--max-seconds) spent"}
     try:
         items, _ = fake_batch(num_seqs, seq_len, seq_len, runner.block_size, runner.num_blocks, runner.vocab_size,
-                              rng, alias=False)
+                              rng, alias=False, num_groups=_num_paged_groups(runner))
         t = cuda_time(lambda: runner.execute(items), runner.device, warmup=2, reps=options.reps,
                       budget_s=min(options.point_seconds, max(deadline.remaining(), 0.5)))
     except Exception as exc:  # noqa: BLE001
