@@ -100,11 +100,21 @@ class ModelRunner:
         self.cache_tensors: CacheTensors = allocate_cache_tensors(
             self.cache_layout, self.memory_plan, arch.num_hidden_layers, self.device
         )
-        self.kv_caches = self.cache_tensors.kv_caches
         self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if self.device.type == "cuda" and not mc.enforce_eager:
             self._capture_cuda_graphs(config)
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor | None]:
+        """Per layer, the attention cache it reads (the model's `kv_caches` argument)."""
+        return self.cache_tensors.kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list[torch.Tensor | None]) -> None:
+        # Replaced, not copied: whoever swaps the caches (the throughput bench's HF peer) frees
+        # the old tensors.
+        self.cache_tensors.kv_caches = caches
 
     def _capture_cuda_graphs(self, config: EngineConfig) -> None:
         if not self.model.attn_backend.supports_cuda_graphs:
