@@ -120,11 +120,7 @@ class ModelRunner:
         if not self.model.attn_backend.supports_cuda_graphs:
             log.info("cuda graphs off: the attention backend cannot be captured", backend=self.attention_backend)
             return
-        if len(self.memory_plan.paged_groups) > 1:
-            # The graphs' fixed buffers hold one block table; several groups run eagerly for now.
-            log.info("cuda graphs off: the model has several paged cache groups",
-                     groups=[g.name for g in self.memory_plan.paged_groups])
-            return
+        windows = [g.sliding_window for g in self.memory_plan.paged_groups]
         graphs = DecodeCudaGraphs(
             self.model, self.kv_caches,
             sizes=capture_sizes(config.scheduler.max_num_seqs),
@@ -133,7 +129,10 @@ class ModelRunner:
             scratch_block=self.scratch_block,
             num_kv_heads=self.arch_config.num_key_value_heads,
             device=self.device,
-            sliding_window=self.memory_plan.paged_groups[0].sliding_window,
+            # Bounds the split count when every layer is windowed (the widest window decides).
+            sliding_window=None if None in windows else max(windows),
+            # Each further paged group pads into its own scratch block, one past its pool.
+            extra_scratch_blocks=[g.num_blocks for g in self.memory_plan.paged_groups[1:]],
         )
         try:
             graphs.capture()

@@ -193,9 +193,9 @@ def test_prefix_hits_on_freed_window_blocks_stay_correct(checkpoint) -> None:
 
 
 def test_triton_kernels_and_graph_buffers_match_transformers(checkpoint) -> None:
-    """The Triton backend (kernels interpreted on CPU) with the window as a kernel argument, and,
-    for the single-group Mistral model, decode through the CUDA-graph runner's fixed, padded
-    buffers (run eagerly here): the same greedy tokens as transformers."""
+    """The Triton backend (kernels interpreted on CPU) with the window as a kernel argument, and
+    decode through the CUDA-graph runner's fixed, padded buffers (run eagerly here; one block
+    table per paged group): the same greedy tokens as transformers."""
     name, hf, path = checkpoint
     steps = 12  # the interpreter is slow; the prompts are still twice the window
     prompts = [prompt(17, seed=90), prompt(13, seed=91)]
@@ -203,18 +203,20 @@ def test_triton_kernels_and_graph_buffers_match_transformers(checkpoint) -> None
     engine = LLMEngine(config)
     assert engine.runner.attention_backend == "triton"
     graph_calls = []
-    if name == "tiny-mistral":
-        runner = engine.runner
-        graphs = DecodeCudaGraphs(
-            runner.model, runner.kv_caches, sizes=[1, 2, 4], block_size=BLOCK_SIZE,
-            max_blocks_per_seq=runner.max_model_len // BLOCK_SIZE, scratch_block=runner.scratch_block,
-            num_kv_heads=2, device=torch.device("cpu"), capture_graphs=False, sliding_window=WINDOW,
-        )
-        graphs.capture()
-        runner.cuda_graphs = graphs
-        original = graphs.run
-        graphs.run = lambda host, *a: graph_calls.append(host.num_seqs) or original(host, *a)
+    runner = engine.runner
+    groups = runner.memory_plan.paged_groups
+    assert len(groups) == (1 if name == "tiny-mistral" else 2)
+    graphs = DecodeCudaGraphs(
+        runner.model, runner.kv_caches, sizes=[1, 2, 4], block_size=BLOCK_SIZE,
+        max_blocks_per_seq=runner.max_model_len // BLOCK_SIZE, scratch_block=runner.scratch_block,
+        num_kv_heads=2, device=torch.device("cpu"), capture_graphs=False,
+        sliding_window=WINDOW if name == "tiny-mistral" else None,
+        extra_scratch_blocks=[g.num_blocks for g in groups[1:]],
+    )
+    graphs.capture()
+    runner.cuda_graphs = graphs
+    original = graphs.run
+    graphs.run = lambda host, *a: graph_calls.append(host.num_seqs) or original(host, *a)
     ours = run(engine, prompts, steps=steps)
     assert ours == [hf_greedy(hf, p)[:steps] for p in prompts]
-    if name == "tiny-mistral":
-        assert graph_calls, "decode steps went through the graph buffers"
+    assert graph_calls, "decode steps went through the graph buffers"
