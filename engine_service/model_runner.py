@@ -91,7 +91,7 @@ class ModelRunner:
         )
         self.block_size = cc.block_size
         self.num_blocks = self.memory_plan.num_blocks
-        if self.num_blocks * self.block_size < self.max_model_len:
+        if self.memory_plan.paged_groups[0].sliding_window is None and self.num_blocks * self.block_size < self.max_model_len:
             log.warning(
                 "kv cache smaller than one full-length sequence",
                 cache_tokens=self.num_blocks * self.block_size, max_model_len=self.max_model_len,

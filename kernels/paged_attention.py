@@ -26,6 +26,13 @@ diagonal skip the causal mask. Each K/V tile is read once per query tile and hea
 elt`` — prefill is compute-bound for query tiles of 64 rows (H200, bf16, Qwen3-8B heads:
 200–365 TFLOP/s, from a 1k prompt to an 8k one).
 
+Sliding window (``sliding_window=W``, a per-layer constant, so CUDA graphs capture it): the
+query at position p sees keys ``p - W + 1 .. p``. Decode starts its tiles at ``seq_len - W``, so
+it reads only the window's blocks (KV bytes ``B * min(seq_len, W) * ...``) and the split count is
+chosen from the window; prefill starts each query tile at its first row's window and masks per
+row. Entries of the block table before the window are never read (the block manager gives those
+blocks back). The references apply the same mask.
+
 No autotuning: tile sizes and warps are fixed per head_dim, so the kernels can be captured in
 CUDA graphs without a tuning run at capture time.
 """
