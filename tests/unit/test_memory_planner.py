@@ -148,3 +148,25 @@ def test_activation_estimate_grows_with_the_step_budget() -> None:
     # cache most of an H200 (a few GiB at most for an 8k-token step).
     assert large > 8192 * 2 * a.intermediate_size * 2 > small
     assert large < 4 * 2**30
+
+
+def test_latent_group_gets_the_full_groups_block_count_and_its_own_entry_size() -> None:
+    from tandem.engine_service.cache_spec import LatentSpec
+    from tandem.engine_service.cache_tensors import allocate_cache_tensors
+
+    layout = CacheLayout((
+        CacheGroup("full_attention", FullAttentionSpec(2, 16, "float32"), (0,)),
+        CacheGroup("compressed", LatentSpec(40, "bfloat16"), (1, 2)),
+    ))
+    full_block = 16 * 2 * 2 * 16 * 4  # one layer, K and V
+    latent_block = 2 * 16 * 40 * 2  # two layers of 40 bf16 elements per token
+    assert layout.groups[1].bytes_per_block(16) == latent_block
+    budget = 50 * (full_block + latent_block) + 7
+    p = plan(Shape(), CacheConfig(cpu_kv_cache_bytes=budget), layout=layout)
+    assert [g.num_blocks for g in p.groups] == [50, 50]
+    assert p.kv_cache_bytes == 50 * (full_block + latent_block)
+    tensors = allocate_cache_tensors(layout, p, num_layers=3, device=torch.device("cpu"))
+    assert tensors.kv_caches[0].shape == (2, 51, 16, 2, 16) and tensors.kv_caches[1] is None
+    assert tensors.latent[1].shape == (51, 16, 40) and tensors.latent[2].dtype == torch.bfloat16
+    # Planned bytes plus one scratch block per group and layer are what gets allocated.
+    assert tensors.total_bytes() == p.kv_cache_bytes + full_block + latent_block
