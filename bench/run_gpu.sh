@@ -16,6 +16,8 @@ for part in "$@"; do
   case "$part" in
     kernels) timeout 150 $PY -m tandem.kernels.gpu_check --out "$OUT" ;;
     parity) timeout 200 $PY -m tandem.gpu_checks.model_parity --out "$OUT" ;;
+    # Windowed layers (two paged cache groups): reference vs Triton eager vs Triton graphs.
+    parity-sw) timeout 200 $PY -m tandem.gpu_checks.model_parity --model dummy:qwen3-0.6b-sw64 --out "$OUT/parity-sw" ;;
     roofline) timeout 200 $PY -m tandem.cli bench roofline --model dummy:qwen3-8b --max-model-len 8192 --max-seconds 180 --out "$OUT" ;;
     # Acceptance 8: every layer on a 1k window; the floor counts only the window's K/V.
     roofline-sw) timeout 200 $PY -m tandem.cli bench roofline --model dummy:qwen3-8b-sw1k --max-model-len 8192 --contexts 8192 --batches 1,16,64,256 --max-seconds 180 --out "$OUT" ;;

@@ -46,6 +46,20 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "tie_word_embeddings": False,
     },
+    # Qwen3-0.6B shapes, layers 14-27 over a 64-token window (two paged cache groups): the GPU
+    # model-parity check of windowed kernels and per-group CUDA graphs.
+    "qwen3-0.6b-sw64": {
+        **_QWEN3_COMMON,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+        "use_sliding_window": True,
+        "sliding_window": 64,
+        "max_window_layers": 14,
+    },
     # Qwen3-8B shapes with every layer attending over a 1k window (for the sliding-window roofline:
     # decode at 8k context reads only the window's K/V).
     "qwen3-8b-sw1k": {
