@@ -59,6 +59,10 @@ def prompt(n: int, seed: int, vocab: int = 320) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+# Shared by the tests, so the (slow) transformers reference runs once per prompt and model.
+PROMPTS = [prompt(n, seed=30 + i) for i, n in enumerate((21, 11, 30, 17, 26))]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
     hf, path = make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
@@ -122,8 +126,8 @@ def windowed_groups(engine: LLMEngine) -> list[int]:
 
 def test_single_sequence_matches_transformers(checkpoint) -> None:
     _, hf, path = checkpoint
-    tokens = prompt(21, seed=31)
-    assert len(tokens) > WINDOW
+    tokens = PROMPTS[0]
+    assert min(map(len, PROMPTS)) > WINDOW
     (ours,) = run(make_engine(path), [tokens])
     assert ours == hf_greedy(hf, tokens)
 
@@ -131,7 +135,7 @@ def test_single_sequence_matches_transformers(checkpoint) -> None:
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_batched_chunked_prefill_matches_transformers(checkpoint, overlap: str) -> None:
     _, hf, path = checkpoint
-    prompts = [prompt(n, seed=40 + n) for n in (19, 11, 30)]
+    prompts = PROMPTS[:3]
     # A 5-token budget: every prompt is prefilled in chunks, decodes share steps with prefills.
     ours = run(make_engine(path, budget=5, overlap=overlap), prompts)
     assert ours == [hf_greedy(hf, p) for p in prompts]
@@ -139,10 +143,10 @@ def test_batched_chunked_prefill_matches_transformers(checkpoint, overlap: str) 
 
 def test_preempted_sequences_match_transformers(checkpoint) -> None:
     name, hf, path = checkpoint
-    prompts = [prompt(n, seed=60 + n) for n in (14, 17, 12, 20)]
+    prompts = PROMPTS[:4]
     # Mistral holds about window/block_size + 1 blocks per request, so 8 blocks cannot keep four
     # running; the Qwen3 model's full layer needs every block, so it needs a larger pool.
-    engine = make_engine(path, num_blocks=8 if name == "tiny-mistral" else 30, budget=16)
+    engine = make_engine(path, num_blocks=8 if name == "tiny-mistral" else 30, budget=8)
     ours = run(engine, prompts)
     assert engine.scheduler.num_preemptions > 0
     assert ours == [hf_greedy(hf, p) for p in prompts]
@@ -158,14 +162,14 @@ def test_windowed_blocks_are_freed_while_requests_run(checkpoint) -> None:
 
     def record(e: LLMEngine) -> None:
         for seq in e.scheduler.running:
-            if seq.num_computed_tokens >= 24:  # well past the window
+            if seq.num_computed_tokens >= 26:  # well past the window
                 live.append({g: sum(b != NULL_BLOCK for b in seq.block_tables[g]) for g in range(len(seq.block_tables))})
                 widths.append(len(seq.block_tables[0]))
 
-    prompts = [prompt(24, seed=70), prompt(26, seed=71)]
+    prompts = [PROMPTS[2], PROMPTS[4]]
     ours = run(engine, prompts, on_step=record)
     assert ours == [hf_greedy(hf, p) for p in prompts]
-    assert live and max(widths) >= (24 + STEPS - 1) // BLOCK_SIZE
+    assert live and max(widths) >= (26 + STEPS - 1) // BLOCK_SIZE
     window_blocks = -(-(WINDOW - 1) // BLOCK_SIZE) + 2  # the window, the block it starts in, the next one
     for g in windowed:
         assert max(snapshot[g] for snapshot in live) <= window_blocks
@@ -182,7 +186,7 @@ def test_prefix_hits_on_freed_window_blocks_stay_correct(checkpoint) -> None:
     tokens still match transformers."""
     _, hf, path = checkpoint
     engine = make_engine(path, budget=8)
-    shared = prompt(30, seed=80)
+    shared = PROMPTS[2]
     (first,) = run(engine, [shared])
     hits_before = engine.block_manager.prefix_hits
     second_prompt = shared + first[:10] + prompt(3, seed=81)
@@ -198,7 +202,7 @@ def test_triton_kernels_and_graph_buffers_match_transformers(checkpoint) -> None
     table per paged group): the same greedy tokens as transformers."""
     name, hf, path = checkpoint
     steps = 12  # the interpreter is slow; the prompts are still twice the window
-    prompts = [prompt(17, seed=90), prompt(13, seed=91)]
+    prompts = [PROMPTS[3], PROMPTS[1]]
     config = make_config(path, budget=8, backend="triton")
     engine = LLMEngine(config)
     assert engine.runner.attention_backend == "triton"
