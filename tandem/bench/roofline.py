@@ -5,10 +5,13 @@
 2. The engine's own `ModelRunner` (dummy weights, the KV pool sized to what the sweep needs)
    runs fake batches built directly on the paged cache, driven as the engine drives it: a step
    plan (`step_plan.StepPlan`) of new requests, each with a consecutive range of block ids
-   covering its context, applied to a `StepWorker`'s rows — no scheduler or block manager.
+   covering its context (the same table in every paged cache group; with a sliding window on
+   every layer only the window's blocks, the entries before it `NULL_BLOCK`, as the block
+   manager leaves them), applied to a `StepWorker`'s rows — no scheduler or block manager.
 3. Decode: one new token per sequence at each (batch, context) point, timed through
    `StepWorker.execute` (host inputs from the rows + forward + logits; CUDA-graph replay when
-   the runner does it). Floor = (weight bytes + KV bytes) / measured bandwidth (`accounting.py`).
+   the runner does it). Floor = (weight bytes + KV bytes) / measured bandwidth (`accounting.py`;
+   windowed layers count only the window's K/V).
 4. Prefill: one batch of fresh sequences (e.g. 8 x 1024 = 8k tokens); MFU = FLOPs / time /
    measured matmul rate.
 

@@ -436,7 +436,6 @@ def test_given_back_window_entries_are_marked_in_the_rows() -> None:
 # -- 4. old/new end to end on a real (tiny) model ---------------------------------------------------
 
 
-
 def _sequence_path_tokens(runner, config: EngineConfig, requests) -> dict[str, list[int]]:
     """The engine loop as it was before the plan: the runner and the sampler read the scheduler's
     Sequences directly (no overlap)."""
