@@ -2,8 +2,9 @@
 
 Each paged cache group gives every sequence its own block table; a step needs, per group, the
 padded `[B, max_blocks]` table and the `[T]` slot each new token's entry is written to. These
-helpers compute both from plain lists (whatever object holds them: a `Sequence` today, a step
-plan's per-request rows later), so the input builder can call them once per group.
+helpers compute both from plain lists (whatever object holds them: the worker's per-request rows
+in the engine, `Sequence`s in hand-built batches), and `input_batch.assemble_host_inputs` calls
+them once per step for every group.
 """
 
 from __future__ import annotations
