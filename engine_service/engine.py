@@ -82,7 +82,8 @@ class LLMEngine:
             block_size=self.runner.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   device_type=self.runner.device.type)
         self.sampler = Sampler(vocab_size=self.runner.vocab_size)
         self.eos_token_ids = tuple(self.runner.eos_token_ids)
         self.counters = EngineCounters()
@@ -226,4 +227,5 @@ class LLMEngine:
             "finished_requests_total": self.counters.finished_requests,
             "aborted_requests_total": self.counters.aborted_requests,
             "overlap_scheduling": self.overlap,
+            "max_prefill_tokens_per_seq": self.scheduler.prefill_cap,
         }

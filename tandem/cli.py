@@ -27,6 +27,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-prefill-tokens-per-seq", type=int, default=None,
+                   help="fair prefill: prompt tokens of one request per step, so a long prompt cannot hold up "
+                        "others; 0: no cap (default: 512 on CUDA, 32 on CPU)")
     g.add_argument("--max-waiting-requests", type=int, default=1024, help="bound of the waiting queue (requests)")
     g.add_argument("--max-waiting-tokens", type=int, default=1 << 20, help="bound of the waiting queue (prompt tokens)")
     g.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
@@ -53,6 +56,7 @@ def _engine_config(args):
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting_requests=args.max_waiting_requests,
                                   max_waiting_tokens=args.max_waiting_tokens,
+                                  max_prefill_tokens_per_seq=args.max_prefill_tokens_per_seq,
                                   overlap_scheduling=args.overlap_scheduling),
     )
 
@@ -66,7 +70,8 @@ def _engine_flags(args) -> list[str]:
            "--seed", str(args.seed), "--attention-backend", args.attention_backend,
            "--overlap-scheduling", args.overlap_scheduling]
     for flag, value in (("--max-model-len", args.max_model_len), ("--num-kv-blocks", args.num_kv_blocks),
-                        ("--cache-dir", args.cache_dir)):
+                        ("--cache-dir", args.cache_dir),
+                        ("--max-prefill-tokens-per-seq", args.max_prefill_tokens_per_seq)):
         if value is not None:
             out += [flag, str(value)]
     if args.no_prefix_caching:
