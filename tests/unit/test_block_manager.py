@@ -110,6 +110,61 @@ def test_chained_hash_needs_matching_parent() -> None:
     assert hash_block(None, [1, 2, 3, 4]) != hash_block(None, [1, 2, 3, 5])
 
 
+def test_equal_block_after_different_prefixes_never_shares_kv() -> None:
+    """A cached block's K/V depend on every token before it, not only on its own ids: a block
+    with the same ids after a different prefix must never be handed out as a hit."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    p1, p2, shared = [1, 1, 1, 1], [2, 2, 2, 2], [5, 6, 7, 8]
+    a = make_seq("a", p1 + shared + [0])
+    prefill(bm, a)
+    a_blocks = list(a.block_table)
+    bm.free(a)
+    b = make_seq("b", p2 + shared + [0])
+    assert prefill(bm, b) == 0
+    b_blocks = list(b.block_table)
+    bm.free(b)
+    # Both a's and b's blocks stay cached; a prompt after p2 must get b's K/V for `shared`.
+    d = make_seq("d", p2 + shared + [3])
+    assert prefill(bm, d) == 8
+    assert d.block_table[:2] == b_blocks[:2]
+    assert a_blocks[1] not in d.block_table
+    # The hash of a child block depends on the parent's value, not only on having one.
+    parent1, parent2 = hash_block(None, p1), hash_block(None, p2)
+    assert hash_block(parent1, shared) != hash_block(parent2, shared)
+
+
+def test_every_hit_block_was_written_after_the_same_prefix() -> None:
+    """Randomized: record for every written block the full token prefix it was computed from;
+    every prefix hit must come from a block computed from exactly the requester's prefix."""
+    import random
+
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=24, block_size=BS)
+    written: dict[int, list[int]] = {}  # block id -> tokens 0..end of block when it was written
+    live: list[Sequence] = []
+    blocks_pool = [[rng.randrange(3) for _ in range(BS)] for _ in range(4)]
+    num_hits = 0
+    for i in range(400):
+        if live and (rng.random() < 0.5 or bm.num_free_blocks < 6):
+            bm.free(live.pop(rng.randrange(len(live))))
+            continue
+        tokens = [t for _ in range(rng.randint(1, 4)) for t in rng.choice(blocks_pool)] + [9]
+        seq = make_seq(f"s{i}", tokens)
+        hits = bm.match_prefix(seq)
+        if not bm.allocate(seq, seq.num_tokens - hits):
+            continue
+        for j in range(hits // BS):
+            block_id = seq.block_table[j]
+            assert written[block_id] == tokens[: (j + 1) * BS], "K/V of another prefix shared"
+        num_hits += hits // BS
+        for j in range(hits // BS, seq.num_tokens // BS):  # blocks this prefill writes
+            written[seq.block_table[j]] = tokens[: (j + 1) * BS]
+        seq.num_computed_tokens = seq.num_tokens
+        bm.commit(seq)
+        live.append(seq)
+    assert num_hits > 50
+
+
 def test_never_the_whole_prompt() -> None:
     bm = BlockManager(num_blocks=16, block_size=BS)
     a = make_seq("a", list(range(8)))
