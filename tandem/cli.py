@@ -29,7 +29,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-prefill-tokens-per-seq", type=int, default=None,
                    help="fair prefill: prompt tokens of one request per step, so a long prompt cannot hold up "
-                        "others; 0: no cap (default: 512 on CUDA, 32 on CPU)")
+                        "others; 0: no cap (default: 512 on CUDA, 16 on CPU)")
     g.add_argument("--max-waiting-requests", type=int, default=1024, help="bound of the waiting queue (requests)")
     g.add_argument("--max-waiting-tokens", type=int, default=1 << 20, help="bound of the waiting queue (prompt tokens)")
     g.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")

@@ -471,10 +471,10 @@ def test_prefill_cap_is_validated() -> None:
 
 def test_prefill_cap_default_depends_on_the_device_and_needs_chunked_prefill() -> None:
     assert SchedulerConfig().prefill_cap("cuda") == 512
-    assert SchedulerConfig().prefill_cap("cpu") == 32
+    assert SchedulerConfig().prefill_cap("cpu") == 16
     assert SchedulerConfig(max_prefill_tokens_per_seq=0).prefill_cap("cpu") == 0
     assert SchedulerConfig(max_prefill_tokens_per_seq=7).prefill_cap("cuda") == 7
     bm = BlockManager(8, BS)
-    assert Scheduler(SchedulerConfig(), bm, 64, device_type="cpu").prefill_cap == 32
+    assert Scheduler(SchedulerConfig(), bm, 64, device_type="cpu").prefill_cap == 16
     unchunked = SchedulerConfig(max_num_batched_tokens=64, enable_chunked_prefill=False, max_prefill_tokens_per_seq=8)
     assert Scheduler(unchunked, bm, 64).prefill_cap == 0  # whole prompts only: nothing to cap
