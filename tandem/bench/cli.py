@@ -29,6 +29,16 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _caps(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
+    return values
+
+
 def _ints_one(text: str) -> int:
     values = _ints(text)
     if len(values) != 1:
@@ -138,6 +148,21 @@ def add_bench_parser(sub: Any) -> None:
                    help="frontend processes of the served stack on one port (tandem serve --frontend-workers)")
     g.add_argument("--client-procs", type=_count_or_auto, default=1,
                    help="load-generator processes sharing each level's concurrency; 'auto' = min(4, cores // 4)")
+    g = srv.add_argument_group("mixed workload (--mixed): long prompts arriving during decode traffic")
+    g.add_argument("--mixed", action="store_true",
+                   help="run the mixed workload once per --prefill-caps value instead of the concurrency levels")
+    g.add_argument("--prefill-caps", type=_caps, default=[0, 512],
+                   help="--max-prefill-tokens-per-seq of each run; 0 = no cap, the scheduler before fair "
+                        "prefill (default: 0,512)")
+    g.add_argument("--mixed-decode-streams", type=int, default=32, help="closed-loop decode streams")
+    g.add_argument("--mixed-decode-output-len", type=int, default=512)
+    g.add_argument("--mixed-long-prompts", type=int, default=8)
+    g.add_argument("--mixed-long-prompt-len", type=int, default=8000, help="clipped to the model's context")
+    g.add_argument("--mixed-long-interval", type=float, default=2.0, help="seconds between long prompts")
+    g.add_argument("--mixed-short-requests", type=int, default=40)
+    g.add_argument("--mixed-short-prompt-len", type=int, default=32)
+    g.add_argument("--mixed-short-interval", type=float, default=0.4, help="seconds between short requests")
+    g.add_argument("--mixed-seconds", type=float, default=180.0, help="time limit of each run")
     srv.set_defaults(fn=cmd_bench, bench_fn=_serve)
 
     ovh = bsub.add_parser("overhead", help="host (CPU) time per engine step at N running sequences, model-free")
@@ -236,6 +261,9 @@ def _throughput(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline
 def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import serve
 
+    if args.mixed:
+        return _mixed(record, tandem_cli, args, deadline)
+
     options = serve.ServeOptions(
         workload=args.workload, scale=args.scale, concurrencies=args.concurrency,
         requests_per_level=args.requests_per_level, level_seconds=args.level_seconds,
@@ -244,6 +272,20 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         frontend_workers=args.frontend_workers, client_procs=args.client_procs)
     serve.run_serve(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
     return serve.short_table
+
+
+def _mixed(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import mixed
+
+    options = mixed.MixedOptions(
+        prefill_caps=args.prefill_caps, decode_streams=args.mixed_decode_streams,
+        decode_output_len=args.mixed_decode_output_len, num_long=args.mixed_long_prompts,
+        long_prompt_len=args.mixed_long_prompt_len, long_interval_s=args.mixed_long_interval,
+        num_short=args.mixed_short_requests, short_prompt_len=args.mixed_short_prompt_len,
+        short_interval_s=args.mixed_short_interval, run_seconds=args.mixed_seconds,
+        startup_timeout=args.startup_timeout, tokenizer=args.tokenizer)
+    mixed.run_mixed(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
+    return mixed.short_table
 
 
 def _overhead(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:

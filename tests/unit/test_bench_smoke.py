@@ -446,3 +446,27 @@ def test_overhead_bench_times_decode_steps_with_every_sequence_running():
     assert point["running_during_timing"] == 12  # every sequence was decoding while timed
     assert point["steps_timed"] == 5
     assert 0 < point["host_ms_min"] <= point["host_ms_median"] <= point["host_ms_p90"]
+
+
+def test_serve_mixed_workload_runs_once_per_prefill_cap(tmp_path, one_torch_thread, monkeypatch):
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "1")
+    rc, data = _run_bench("serve", "--mixed", "--model", TINY, "--prefill-caps", "0,8", "--cpu-kv-cache-gb", "0.01",
+                          "--mixed-decode-streams", "2", "--mixed-decode-output-len", "6", "--mixed-long-prompts", "2",
+                          "--mixed-long-prompt-len", "200", "--mixed-long-interval", "0.2",
+                          "--mixed-short-requests", "3", "--mixed-short-prompt-len", "8", "--mixed-short-interval",
+                          "0.2", "--mixed-seconds", "120", "--out", str(tmp_path))
+    assert rc == 0, data["errors"]
+    mixed = data["results"]["mixed"]
+    assert mixed["options"]["long_prompt_len"] == 200
+    runs = mixed["runs"]
+    assert [r["prefill_cap"] for r in runs] == [0, 8]
+    assert [r["engine_prefill_cap"] for r in runs] == [0, 8]  # the flag reached each served engine
+    for run in runs:
+        assert not run["timed_out"] and run["errors"] == []
+        assert run["short_completed"] == 3 and run["long_completed"] == 2
+        assert run["short_ttft_ms"]["count"] == 3 and run["long_ttft_ms"]["count"] == 2
+        assert run["decode_itl_ms"]["count"] > 0 and run["decode_itl_ms"]["p99"] > 0
+    from tandem.bench.mixed import short_table
+
+    table = short_table(data["results"])
+    assert len(table) == 3 and "(off)" in table[1]
