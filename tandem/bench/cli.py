@@ -1,4 +1,4 @@
-"""`tandem bench roofline|throughput|serve|report`: argument parsing and the run wrapper.
+"""`tandem bench roofline|throughput|serve|soak|report`: argument parsing and the run wrapper.
 
 Each measuring subcommand writes `<out>/<kind>-<model>-<timestamp>.json` (default out:
 `bench/results/`), even when parts of it failed (they are listed under `errors`), and prints
@@ -165,6 +165,20 @@ def add_bench_parser(sub: Any) -> None:
     g.add_argument("--mixed-seconds", type=float, default=180.0, help="time limit of each run")
     srv.set_defaults(fn=cmd_bench, bench_fn=_serve)
 
+    soak = bsub.add_parser("soak", help="random cancels, aborts, deadlines, n>1, stops and bad inputs, then a leak check")
+    _common(soak, "smollm2-135m-instruct", 3600.0)
+    g = soak.add_argument_group("soak")
+    g.add_argument("--address", default=None,
+                   help="frontend HOST:PORT of a running server (default: start `tandem serve` with the engine flags)")
+    g.add_argument("--requests", type=_ints_one, default=1000, help="calls to make")
+    g.add_argument("--concurrency", type=_ints_one, default=16, help="calls in flight at once")
+    g.add_argument("--soak-seconds", type=float, default=None, help="stop starting calls after this long")
+    g.add_argument("--soak-max-tokens", type=_ints_one, default=24, help="most tokens a call asks for")
+    g.add_argument("--soak-seed", type=int, default=0)
+    g.add_argument("--startup-timeout", type=float, default=600.0)
+    g.add_argument("--tokenizer", default=None, help="tokenizer for a started server (default: the model's)")
+    soak.set_defaults(fn=cmd_bench, bench_fn=_soak)
+
     ovh = bsub.add_parser("overhead", help="host (CPU) time per engine step at N running sequences, model-free")
     _common(ovh, "host-only", 300.0)
     g = ovh.add_argument_group("overhead")
@@ -286,6 +300,22 @@ def _mixed(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         startup_timeout=args.startup_timeout, tokenizer=args.tokenizer)
     mixed.run_mixed(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
     return mixed.short_table
+
+
+def _soak(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import soak
+
+    options = soak.SoakOptions(num_requests=args.requests, concurrency=args.concurrency,
+                               max_seconds=args.soak_seconds, max_tokens=args.soak_max_tokens, seed=args.soak_seed)
+    if args.address:
+        record.results["soak"] = soak.run_soak(args.address, options)
+    else:
+        record.results["soak"] = soak.run_soak_with_server(
+            tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, args.tokenizer,
+            min(args.startup_timeout, max(deadline.remaining(), 1.0)))
+    if not record.results["soak"]["passed"]:
+        record.add_error("soak", RuntimeError("soak failed: unexpected outcomes, per-call violations or leaks"))
+    return soak.short_table
 
 
 def _overhead(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:

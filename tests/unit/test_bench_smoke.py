@@ -470,3 +470,18 @@ def test_serve_mixed_workload_runs_once_per_prefill_cap(tmp_path, one_torch_thre
 
     table = short_table(data["results"])
     assert len(table) == 3 and "(off)" in table[1]
+
+
+def test_soak_leak_check_reports_what_is_still_held():
+    from tandem.bench.soak import leaks
+
+    idle = {"frontend": {"in_flight": 0, "in_flight_choices": 0},
+            "engines": {"e1": {"num_running": 0, "num_waiting": 0, "in_flight": 0, "kv_blocks_used": 0,
+                               "kv_blocks_total": 100, "state_slots_used": 0}}}
+    assert leaks(idle) == {}
+    held = json.loads(json.dumps(idle))
+    held["frontend"]["in_flight_choices"] = 2
+    held["engines"]["e1"]["kv_blocks_used"] = 3
+    held["engines"]["e1"]["state_slots_used"] = 1
+    assert leaks(held) == {"frontend.in_flight_choices": 2, "e1.kv_blocks_used": 3, "e1.state_slots_used": 1}
+    assert leaks({"engines": {"e2": {"error": "UNAVAILABLE"}}}) == {"e2.error": "UNAVAILABLE"}
