@@ -370,5 +370,60 @@ def test_block_token_counts_and_double_free() -> None:
     table = list(s.block_table)
     bm.free(s)
     s.block_table = table
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="freed more often than allocated"):
         bm.free(s)
+
+
+# -- found by mutation testing (docs/testing.md) ------------------------------------------------
+
+
+def test_constructor_bounds() -> None:
+    bm = BlockManager(num_blocks=1, block_size=1)  # the smallest pool is valid
+    assert bm.num_free_blocks == 1
+    with pytest.raises(ValueError, match="num_blocks must be >= 1"):
+        BlockManager(num_blocks=0, block_size=4)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        BlockManager(num_blocks=4, block_size=0)
+
+
+def test_zero_new_tokens_takes_only_the_hits_and_negative_is_refused() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    prefill(bm, make_seq("a", list(range(9))))
+    s = make_seq("s", list(range(9)))
+    with pytest.raises(ValueError, match="num_new_tokens must be >= 0"):
+        bm.can_allocate(s, -1)
+    assert bm.allocate(s, 0)  # only the prefix hits: two full blocks
+    assert s.num_computed_tokens == 8 and len(s.block_table) == 2
+    assert bm.allocate(s, 0) and len(s.block_table) == 2  # nothing more to cover
+
+
+def test_lookup_stops_at_the_first_missing_block() -> None:
+    """A later block matching after a miss must not hit: its parent differs, and the hit list
+    has to be a contiguous prefix of the block table."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    prefill(bm, make_seq("ab", a + b + [0]))
+    assert bm.match_prefix(make_seq("axb", a + [9, 9, 9, 9] + b + [0])) == 4
+    s = make_seq("axb2", a + [9, 9, 9, 9] + b + [0])
+    assert prefill(bm, s) == 4
+
+
+def test_reset_clears_every_hash_and_the_pool_stays_usable() -> None:
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    held = make_seq("held", list(range(9)))
+    prefill(bm, held)  # 2 cached blocks in use (+1 partial)
+    idle = make_seq("idle", [7] * 5)
+    prefill(bm, idle)
+    bm.free(idle)  # 1 cached block evictable (+1 partial, back on the free list)
+    assert bm.reset_prefix_cache()
+    assert all(blk.hash is None for blk in bm.blocks)
+    bm.free(held)  # blocks without a hash go back to the free list, not the evictable set
+    assert bm.num_free_blocks == 6 and bm.num_cached_blocks == 0
+    for round_ in range(2):  # fill and empty the whole pool twice (eviction path included)
+        seqs = [make_seq(f"r{round_}{i}", [round_ * 10 + i] * 4) for i in range(6)]
+        for q in seqs:
+            prefill(bm, q)
+        assert bm.num_free_blocks == 0
+        for q in seqs:
+            bm.free(q)
+    assert bm.num_free_blocks == 6
