@@ -98,9 +98,9 @@ def test_internal_ids_unique_over_10k() -> None:
 )
 def test_external_id_validation(bad: str, message: str) -> None:
     # The message reaches the client (INVALID_ARGUMENT details), so it must name the rule.
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=f"^request id .*{re.escape(message)}.*$"):
         RequestIdMap(replica_prefix="r").register(bad, 1)
-    with pytest.raises(ValueError, match="request id must be a string"):
+    with pytest.raises(ValueError, match="^request id must be a string, got int$"):
         RequestIdMap(replica_prefix="r").register(7, 1)  # type: ignore[arg-type]
 
 
@@ -108,9 +108,9 @@ def test_external_id_limits_accepted() -> None:
     ids = RequestIdMap(replica_prefix="r")
     ids.register("x" * 256, 1)
     ids.register(" ~!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}", 1)
-    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="^n must be >= 1, got 0$"):
         ids.register("ok", 0)
-    with pytest.raises(ValueError, match=re.escape("replica prefix must be 1-64 characters from [A-Za-z0-9._-]")):
+    with pytest.raises(ValueError, match="^" + re.escape("replica prefix must be 1-64 characters from [A-Za-z0-9._-]") + "$"):
         RequestIdMap(replica_prefix="has space")
 
 
@@ -169,7 +169,7 @@ def test_defaults_one_choice_generated_id_and_frozen_registration() -> None:
 def test_duplicate_message_names_the_id() -> None:
     ids = RequestIdMap(replica_prefix="r")
     ids.register("abc")
-    with pytest.raises(DuplicateRequestId, match=re.escape("request id 'abc' is already in flight")):
+    with pytest.raises(DuplicateRequestId, match="^" + re.escape("request id 'abc' is already in flight") + "$"):
         ids.register("abc")
 
 

@@ -168,5 +168,5 @@ def test_results_and_state_before_any_match() -> None:
 
 
 def test_empty_stop_string_message_names_the_rule() -> None:
-    with pytest.raises(ValueError, match="stop strings must be non-empty strings"):
+    with pytest.raises(ValueError, match="^stop strings must be non-empty strings$"):
         StopStringMatcher([""])
