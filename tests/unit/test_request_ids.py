@@ -176,7 +176,7 @@ def test_duplicate_message_names_the_id() -> None:
 @pytest.mark.parametrize(
     "hostname,host",
     [("node-1.example", "node-1.example"), ("my host!!x", "my-host-x"), ("--weird--", "weird"), ("", "host"),
-     ("!!!", "host"), ("h" * 50, "h" * 40)],
+     ("!!!", "host"), ("h" * 50, "h" * 40), ("Xbox-", "Xbox")],
 )
 def test_default_prefix_cleans_the_hostname(monkeypatch, hostname: str, host: str) -> None:
     import os
