@@ -183,9 +183,9 @@ class Scheduler:
                     self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
                     break
                 # Everything after index i is unscheduled and arrived later than `seq`.
+                # A preempted decode keeps its reserved token: the reserve may leave a few tokens
+                # unused in a step that preempts (which admits nothing anyway).
                 victim = self.running.pop()
-                if victim is not seq:
-                    reserved -= victim.num_uncomputed_tokens == 1  # before recompute resets it
                 self._preempt(out, victim)
                 if victim is seq:
                     break
@@ -196,10 +196,7 @@ class Scheduler:
         return budget, num_ending
 
     def _count_decodes(self) -> int:
-        """Running sequences with exactly one token to compute (decodes), 0 when no running
-        sequence is mid-prompt (then nothing can take a decode's token before it)."""
-        if not any(seq.num_uncomputed_tokens > 1 for seq in self.running):
-            return 0
+        """Running sequences with exactly one token to compute (decodes)."""
         return sum(1 for seq in self.running if seq.num_uncomputed_tokens == 1)
 
     def _chunk_size(self, num_todo: int, budget: int, reserved: int) -> int:

@@ -476,5 +476,31 @@ def test_prefill_cap_default_depends_on_the_device_and_needs_chunked_prefill() -
     assert SchedulerConfig(max_prefill_tokens_per_seq=7).prefill_cap("cuda") == 7
     bm = BlockManager(8, BS)
     assert Scheduler(SchedulerConfig(), bm, 64, device_type="cpu").prefill_cap == 16
+    assert Scheduler(SchedulerConfig(), bm, 64).prefill_cap == 512  # the device defaults to CUDA
     unchunked = SchedulerConfig(max_num_batched_tokens=64, enable_chunked_prefill=False, max_prefill_tokens_per_seq=8)
     assert Scheduler(unchunked, bm, 64).prefill_cap == 0  # whole prompts only: nothing to cap
+
+
+
+def test_prefill_cap_of_one_chunks_even_a_two_token_prompt() -> None:
+    d = Driver(budget=8, prefill_cap=1)
+    seq = d.add("a", [5, 6], max_tokens=2)
+    plan = []
+    while d.sched.has_work():
+        plan.append([(s.num_new_tokens, s.sample) for s in d.step().scheduled])
+    assert plan == [[(1, False)], [(1, True)], [(1, True)]]
+    assert seq.output_token_ids == expected_outputs(seq, 2)
+
+
+def test_prefill_gets_nothing_when_the_decodes_after_it_need_the_whole_budget() -> None:
+    d = Driver(budget=16, prefill_cap=0, num_blocks=64, caching=False)
+    long = d.add("long", list(range(40)), max_tokens=1)
+    dec = [d.add(f"d{i}", [i + 1, i + 2], max_tokens=5) for i in range(3)]
+    d.sched.waiting.rotate(-1)
+    d.step()
+    d.sched.running.insert(0, d.sched.running.pop())  # the long prompt ahead of three decodes
+    d.config.max_num_batched_tokens = 3  # exactly one token per decode
+    before = long.num_computed_tokens
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(s, 1) for s in dec]
+    assert long.num_computed_tokens == before  # it waits for a step with budget left
