@@ -1,7 +1,10 @@
-"""Engine process entry point: start the gRPC server, load the model, serve, drain, exit.
+"""Engine service entry point: start the gRPC server, start the engine core, serve, drain, exit.
 
-Health answers from the first moment (NOT_SERVING while the model loads), so orchestrators can
-tell "starting" from "dead". A fatal engine error makes the process exit non-zero.
+The engine core runs in its own process by default (`engine_core="process"`: this process then
+never imports torch) or on a thread of this one (`"thread"`). Health answers from the first
+moment (NOT_SERVING while the model loads), so orchestrators can tell "starting" from "dead".
+A fatal engine error, or the core process dying, turns readiness NOT_SERVING, fails every
+request in flight and makes this process exit non-zero.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
-from tandem.engine_service.async_engine import AsyncEngine
 from tandem.engine_service.config import EngineConfig
-from tandem.engine_service.engine import LLMEngine
+from tandem.engine_service.core_client import CoreClient
 from tandem.engine_service.metrics import EngineMetrics
 from tandem.engine_service.server import SERVICE_NAME, EngineServicer
+from tandem.generation_defaults import load_generation_defaults
 from tandem.grpc_service import add_service, enable_reflection
 from tandem.health import add_health
 from tandem.metrics import new_registry, start_metrics_endpoint
@@ -43,22 +46,28 @@ class EngineServerOptions:
     metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
     reflection: bool = False  # serve grpc.reflection
     fail_after_steps: int | None = None  # testing only: inject a fatal engine error
+    engine_core: str = "process"  # "process": the core in its own process; "thread": in this one
+    log_level: str = "info"  # passed on to the core process
+    log_format: str = "json"
 
 
-def model_info(engine: LLMEngine) -> dict:
-    runner = engine.runner
-    return {
-        "model": engine.config.model.model,
-        "model_path": str(runner.model_path),
-        "architecture": getattr(runner, "architecture", ""),
-        "max_model_len": engine.max_model_len,
-        "vocab_size": runner.vocab_size,
-        "eos_token_ids": list(engine.eos_token_ids),
-        "dtype": str(getattr(runner, "dtype", "")),
-        "device": str(getattr(runner, "device", "")),
-        "kv_blocks": engine.block_manager.num_blocks,
-        "block_size": engine.block_manager.block_size,
-    }
+ENGINE_CORE_MODES = ("process", "thread")
+
+
+async def start_core(config: EngineConfig, options: EngineServerOptions) -> CoreClient:
+    """Loads the model in a core process (or on a thread here) and returns its client."""
+    if options.engine_core == "process":
+        from tandem.engine_service.mp_client import MultiprocessCoreClient
+
+        return await MultiprocessCoreClient.launch(config, options.fail_after_steps, options.log_level,
+                                                   options.log_format)
+    if options.engine_core != "thread":
+        raise ValueError(f"engine_core must be one of {ENGINE_CORE_MODES}, got {options.engine_core!r}")
+    from tandem.engine_service.engine import LLMEngine
+    from tandem.engine_service.inproc_client import InProcessCoreClient
+
+    engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
+    return InProcessCoreClient(engine, options.fail_after_steps)
 
 
 async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready: asyncio.Event | None = None) -> int:
@@ -91,25 +100,34 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     )
 
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(None, LLMEngine, config)
+    try:
+        core = await start_core(config, options)
+    except Exception as exc:
+        log.error("engine_core_failed_to_start", error=str(exc))
+        await server.stop(grace=0)
+        if metrics_endpoint is not None:
+            metrics_endpoint.close()
+        return 1
     fatal = asyncio.Event()
     stop = asyncio.Event()
-    async_engine = AsyncEngine(
-        engine,
-        on_fatal=lambda exc: loop.call_soon_threadsafe(fatal.set),
-        fail_after_steps=options.fail_after_steps,
-    )
-    EngineMetrics(async_engine, config.model.model, registry)  # before start: it adds a step listener
-    async_engine.start(loop)
+    core.on_fatal = lambda message: fatal.set()  # called on the event loop
+    EngineMetrics(core, config.model.model, registry)  # before start: it adds a step listener
+    core.start(loop)
+    info = core.info
+    model_path = info.model_path if info.model_path not in ("", "None") else None
+    defaults = load_generation_defaults(config.model.generation_config, config.model.model, model_path)
     limits = Limits(
-        vocab_size=engine.vocab_size,
-        max_model_len=engine.max_model_len,
-        default_max_tokens=options.default_max_tokens,
-        kv_capacity_tokens=engine.kv_capacity_tokens,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        default_max_tokens=defaults.max_tokens or options.default_max_tokens,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+        sampling_defaults=defaults,
     )
-    servicer.attach(async_engine, limits, model_info(engine))
+    effective = defaults.effective(limits.default_max_tokens)
+    servicer.attach(core, limits, {**info.model_info(), "sampling_defaults": effective})
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    log.info("engine_ready", kv_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len)
+    log.info("engine_ready", kv_blocks=info.kv_blocks, max_model_len=info.max_model_len,
+             engine_core=options.engine_core, sampling_defaults=effective)
     if ready is not None:
         ready.set()
 
@@ -124,23 +142,26 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
         w.cancel()
 
     if fatal.is_set():
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.sleep(0.2)  # let the failed requests' handlers send their status first
         await health.enter_graceful_shutdown()
         await server.stop(grace=1.0)
-        log.error("engine_exiting_after_fatal_error", error=str(async_engine.fatal_error))
+        core.stop()
+        log.error("engine_exiting_after_fatal_error", error=core.fatal_error)
         if metrics_endpoint is not None:
             metrics_endpoint.close()
         return 1
     # Drain: refuse new work, let in-flight requests finish within the timeout.
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    async_engine.accepting = False
+    core.accepting = False
     deadline = loop.time() + options.drain_timeout
-    while async_engine.num_in_flight and loop.time() < deadline:
+    while core.num_in_flight and loop.time() < deadline and not fatal.is_set():
         await asyncio.sleep(0.05)
-    for request_id in async_engine.in_flight_ids():
-        async_engine.abort(request_id)
+    for request_id in core.in_flight_ids():
+        core.abort(request_id)
     await health.enter_graceful_shutdown()
     await server.stop(grace=2.0)
-    async_engine.stop()
+    core.stop()
     if metrics_endpoint is not None:
         metrics_endpoint.close()
     log.info("engine_stopped")
@@ -149,7 +170,7 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
 
 def run_engine(config: EngineConfig, options: EngineServerOptions) -> int:
     torch_threads = os.environ.get("TANDEM_TORCH_THREADS")
-    if torch_threads:
+    if torch_threads and options.engine_core == "thread":  # the core process reads it itself
         import torch
 
         torch.set_num_threads(int(torch_threads))

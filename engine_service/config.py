@@ -1,27 +1,41 @@
-"""Engine configuration: one dataclass, validated once at start."""
+"""Engine configuration: one dataclass, validated once at start.
+
+Each field that users may set carries its command-line declaration in `metadata` (help text,
+and the flag's name where it differs from the field's). `tandem.options` turns these fields into
+the argparse flags, `TANDEM_*` environment variables and `--config` file keys of `tandem serve`,
+`tandem engine` and `tandem bench`, so a default or a help line is written once, here.
+Metadata keys: `help`; `flag` (flag name without dashes); `choices`; `negate` (a bool that
+defaults to True and is switched off by the flag); `scale` (flag value x scale = field value).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def _opt(default, help: str, **extra):
+    """A field that is also a command-line flag (see the module docstring for `extra`)."""
+    return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass
 class SchedulerConfig:
     """Limits the continuous-batching scheduler works within."""
 
-    max_num_seqs: int = 64  # running sequences at once
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = _opt(64, "most sequences running at once")
+    max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decodes)")
     enable_chunked_prefill: bool = True
     # Fair prefill: at most this many prompt tokens of one sequence per step, so a long prompt is
     # spread over steps and a short request admitted meanwhile gets its first token after a step
-    # of bounded size. 0 turns the cap off (a prefill takes whatever budget is left); None picks
-    # a default for the device (`prefill_cap`).
-    max_prefill_tokens_per_seq: int | None = None
-    max_waiting_requests: int = 1024  # bounded waiting queue (requests)
-    max_waiting_tokens: int = 1 << 20  # bounded waiting queue (prompt tokens)
+    # of bounded size. 0 turns the cap off; None picks a default for the device (`prefill_cap`).
+    max_prefill_tokens_per_seq: int | None = _opt(
+        None, "fair prefill: prompt tokens of one request per step, so a long prompt cannot hold up others; "
+              "0: no cap (default: 512 on CUDA, 16 on CPU)")
+    max_waiting_requests: int = _opt(1024, "bound of the waiting queue (requests)")
+    max_waiting_tokens: int = _opt(1 << 20, "bound of the waiting queue (prompt tokens)")
     # Overlapped scheduling: build and launch step N+1 while step N runs on the device.
-    # "auto": on for CUDA devices, off on CPU (where the forward runs on the host anyway).
-    overlap_scheduling: str = "auto"
+    overlap_scheduling: str = _opt("auto", "build and launch the next step while the current one runs on the "
+                                           "device; auto: on for CUDA, off on CPU", choices=("auto", "on", "off"))
 
     def prefill_cap(self, device_type: str) -> int:
         """The per-sequence prompt tokens of one step on `device_type` ("cuda" or "cpu"), 0: none.
@@ -53,11 +67,13 @@ class SchedulerConfig:
 class CacheConfig:
     """Paged KV cache shape and sizing."""
 
-    block_size: int = 16
-    num_blocks: int | None = None  # fixed pool size; None lets the memory planner size it
-    memory_fraction: float = 0.9  # of free device memory (GPU) after weights
-    cpu_kv_cache_bytes: int = 1 << 30  # pool budget on CPU when num_blocks is None
-    enable_prefix_caching: bool = True
+    block_size: int = _opt(16, "tokens per KV block (a power of two)")
+    num_blocks: int | None = _opt(None, "fix the KV pool size in blocks (default: sized by memory)",
+                                  flag="num-kv-blocks")
+    memory_fraction: float = _opt(0.9, "GPU: fraction of free memory (after weights) for the KV pool",
+                                  flag="kv-cache-memory-fraction")
+    cpu_kv_cache_bytes: int = _opt(1 << 30, "CPU: KV pool size in GiB", flag="cpu-kv-cache-gb", scale=1 << 30)
+    enable_prefix_caching: bool = _opt(True, "turn prefix caching off", flag="no-prefix-caching", negate=True)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -72,14 +88,21 @@ class CacheConfig:
 class ModelConfig:
     """Which model to load, and how."""
 
-    model: str = "smollm2-135m-instruct"  # embedded name, HF directory, .gguf file or dummy:<config>
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    device: str = "auto"  # auto: cuda if available else cpu
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    seed: int = 0  # for dummy weights
-    cache_dir: str | None = None  # where converted GGUF models are kept
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch reference on CPU; or torch / triton
-    enforce_eager: bool = False  # never capture CUDA graphs (decode runs eagerly)
+    model: str = _opt("smollm2-135m-instruct", "embedded name, Hugging Face id (org/name, from the local HF "
+                      "cache) or directory, .gguf file, or dummy:<config>")
+    dtype: str = _opt("auto", "weight and activation dtype; auto: bfloat16 on GPU, float32 on CPU",
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "auto, cpu or cuda[:N]; auto: cuda when available")
+    max_model_len: int | None = _opt(None, "context length (default: the model's max_position_embeddings)")
+    seed: int = _opt(0, "seed of dummy weights")
+    cache_dir: str | None = _opt(None, "where converted GGUF models are kept (default: ~/.cache/tandem/models)")
+    attention_backend: str = _opt("auto", "auto: Triton kernels on CUDA, PyTorch reference on CPU",
+                                  choices=("auto", "torch", "triton"))
+    enforce_eager: bool = _opt(False, "never capture CUDA graphs for decode")
+    # Where requests' unset sampling fields get their defaults (tandem.generation_defaults).
+    generation_config: str = _opt("auto", "sampling defaults for fields a request leaves unset: auto (the "
+                                  "model's generation_config.json, or the shipped defaults of an embedded "
+                                  "model), none (neutral sampling), or a path to a generation_config.json")
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -90,6 +113,8 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
+    """The engine's whole configuration: model, KV cache, scheduler (each validated once)."""
+
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig

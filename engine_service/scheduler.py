@@ -15,7 +15,7 @@ are never starved by prefill.
 One step, as driven by the engine:
 
     out = scheduler.schedule()
-    runner.execute(out.scheduled)            # writes K/V, returns logits of `sample` rows
+    worker.launch(plan_builder.build(out).plan)   # the worker runs it from its own rows
     scheduler.begin_step(out)                # the step's tokens count as computed
     for each sampled seq: seq.mark_pending(row)    # sampled on the device
     ... later: seq.confirm_token(t); check_stop(seq)   # read back; may call seq.finish()
@@ -36,15 +36,16 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from tandem.core_protocol import SchedulerReason, SchedulerStop
 from tandem.engine_service.config import SchedulerConfig
 from tandem.engine_service.kv_cache import BlockManager
 from tandem.engine_service.sequence import FinishReason, Sequence, SequenceStatus
 
 log = structlog.get_logger(__name__)
 
-# stop_reason strings of sequences the scheduler itself ends with FinishReason.ERROR.
-KV_CACHE_TOO_SMALL = "kv_cache_too_small"
-EXCEEDS_MAX_MODEL_LEN = "exceeds_max_model_len"
+# stop_reasons of sequences the scheduler itself ends with FinishReason.ERROR.
+KV_CACHE_TOO_SMALL = SchedulerStop(SchedulerReason.KV_CACHE_TOO_SMALL)
+EXCEEDS_MAX_MODEL_LEN = SchedulerStop(SchedulerReason.EXCEEDS_MAX_MODEL_LEN)
 
 
 @dataclass
@@ -258,13 +259,13 @@ class Scheduler:
         out.preempted.append(seq)
         log.debug("preempted", request_id=seq.request_id, num_tokens=seq.num_tokens)
 
-    def _finish_error(self, out: SchedulerOutput, seq: Sequence, reason: str) -> None:
+    def _finish_error(self, out: SchedulerOutput, seq: Sequence, reason: SchedulerStop) -> None:
         self.block_manager.free(seq)
         seq.finish(FinishReason.ERROR, reason)
         self._requests.pop(seq.request_id, None)
         out.finished.append(seq)
         log.warning(
-            "request_cannot_run", request_id=seq.request_id, reason=reason, num_tokens=seq.num_tokens
+            "request_cannot_run", request_id=seq.request_id, reason=reason.reason.value, num_tokens=seq.num_tokens
         )
 
     def begin_step(self, output: SchedulerOutput) -> None:

@@ -8,66 +8,18 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams, StopReason
 
-@dataclass
-class SamplingParams:
-    """Token-level sampling and stopping parameters, already validated by the server layer.
-
-    Conventions: temperature == 0 means greedy; top_k <= 0 means disabled; top_p == 1 and
-    min_p == 0 mean disabled; penalties at their neutral values (1.0 / 0.0) mean disabled.
-    `logprobs` is the number of top alternatives to return per generated token (None = no
-    logprobs at all; 0 = only the sampled token's logprob).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop_token_sequences: list[list[int]] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def uses_repetition_penalty(self) -> bool:
-        return self.repetition_penalty != 1.0
-
-    @property
-    def uses_output_penalties(self) -> bool:
-        """Presence or frequency penalty (OpenAI semantics, over output tokens)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
-    def uses_penalties(self) -> bool:
-        """Sampling counts every earlier token, so it needs them all on the host."""
-        return self.uses_repetition_penalty or self.uses_output_penalties
+__all__ = ["FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop token sequence
-    LENGTH = "length"  # max_tokens or the model's context length
-    ABORT = "abort"
-    ERROR = "error"
 
 
 class Sequence:
@@ -80,6 +32,7 @@ class Sequence:
         params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a sequence needs at least one prompt token")
@@ -104,8 +57,10 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
-        # What ended it: a stop token id (int) or the index of a stop token sequence (str "seq:<i>").
-        self.stop_reason: int | str | None = None
+        # What ended it: a stop token, a stop token sequence, or the scheduler (typed).
+        self.stop_reason: StopReason | None = None
+        # Carried from the request to its final output (disaggregation; unused by the engine yet).
+        self.kv_transfer_params = kv_transfer_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
@@ -176,7 +131,7 @@ class Sequence:
             self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
 
-    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+    def finish(self, reason: FinishReason, stop_reason: StopReason | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -13,15 +13,22 @@ import time
 import grpc
 import structlog
 
-from tandem.engine_service.async_engine import (
-    AsyncEngine,
+from tandem.core_protocol import (
+    EngineStats,
+    FinishReason,
+    FlushResult,
+    RequestOutput,
+    StopSequence,
+    StopToken,
+    UtilityCommand,
+)
+from tandem.engine_service.core_client import (
+    CoreClient,
     DuplicateRequestError,
     EngineUnavailableError,
     QueueFullError,
     UnknownChannelError,
 )
-from tandem.engine_service.engine import StepOutput
-from tandem.engine_service.sequence import FinishReason
 from tandem.request_scope import RequestScope
 from tandem.grpc_service import reject_malformed
 from tandem.protocol import (
@@ -29,6 +36,8 @@ from tandem.protocol import (
     InvalidRequest,
     Limits,
     check_prompt_token_ids,
+    kv_transfer_from_proto,
+    kv_transfer_to_proto,
     sampling_from_proto,
     to_struct,
 )
@@ -40,23 +49,24 @@ SERVICE_NAME = "tandem.v1.Engine"
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    """Implements Generate / Stream / Utility over an `AsyncEngine`."""
+    """Implements Generate / Stream / Utility over a `CoreClient`: translates protobuf into typed
+    core messages and the core's per-step outputs back into protobuf."""
 
     def __init__(self) -> None:
         # Registered before the server starts (gRPC needs its handlers then); attached to the
         # engine once the model is loaded. Until then every call gets UNAVAILABLE.
-        self.engine: AsyncEngine | None = None
+        self.engine: CoreClient | None = None
         self.limits: Limits | None = None
         self.model_info: dict = {}
         # Multiplexed requests in flight: request_id -> (its EngineRequest, first message pending).
         self._mux_requests: dict[str, tuple[engine_pb2.EngineRequest, bool]] = {}
 
-    def attach(self, engine: AsyncEngine, limits: Limits, model_info: dict) -> None:
+    def attach(self, engine: CoreClient, limits: Limits, model_info: dict) -> None:
         self.engine = engine
         self.limits = limits
         self.model_info = model_info
 
-    async def _require_engine(self, context) -> AsyncEngine:
+    async def _require_engine(self, context) -> CoreClient:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading its model")
         return self.engine
@@ -74,7 +84,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             len(prompt),
             [list(s.token_ids) for s in request.stop_token_sequences],
         )
-        return self.engine.submit(request.request_id, prompt, params, channel=channel)
+        kv_params = kv_transfer_from_proto(request.kv_transfer_params) if request.HasField("kv_transfer_params") else None
+        return self.engine.submit(request.request_id, prompt, params, channel=channel, kv_transfer_params=kv_params)
 
     async def _start(self, request, context, channel: str | None = None):
         await reject_malformed(request, context)
@@ -128,7 +139,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def _generate(self, request, context):
         stream = await self._start(request, context)
-        collected: list[StepOutput] = []
+        collected: list[RequestOutput] = []
         try:
             while not (collected and collected[-1].finished):
                 collected.extend(await stream.next_batch())
@@ -155,7 +166,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             while True:
                 outputs = await channel.next_batch()
                 batch = engine_pb2.EngineBatch()
-                by_request: dict[str, list[StepOutput]] = {}
+                by_request: dict[str, list[RequestOutput]] = {}
                 for o in outputs:
                     by_request.setdefault(o.request_id, []).append(o)
                 for request_id, items in by_request.items():
@@ -173,8 +184,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 if batch.responses:
                     yield batch
         finally:
-            for request_id in engine.channel_members(request.channel_id):
-                self._mux_requests.pop(request_id, None)
+            # Every request submitted on this channel, including those that finished in the engine
+            # but whose last output was not delivered here: their IDs must be free again.
+            for request_id in [rid for rid, (sub, _) in self._mux_requests.items()
+                               if sub.channel_id == request.channel_id]:
+                del self._mux_requests[request_id]
             engine.close_channel(request.channel_id)
 
     async def Submit(self, request, context):
@@ -213,11 +227,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight")
             result = {"aborted": request.request_id}
         elif cmd == C.UTILITY_COMMAND_STATS:
-            result = await self.engine.call(lambda e: e.stats())
+            stats: EngineStats = await self._core_utility(UtilityCommand.STATS, context)
+            result = stats.to_dict()
             result["in_flight"] = self.engine.num_in_flight
         elif cmd == C.UTILITY_COMMAND_FLUSH_PREFIX_CACHE:
-            ok = await self.engine.call(lambda e: e.block_manager.reset_prefix_cache())
-            result = {"flushed": bool(ok)}
+            flush: FlushResult = await self._core_utility(UtilityCommand.FLUSH_PREFIX_CACHE, context)
+            result = {"flushed": flush.flushed}
         elif cmd == C.UTILITY_COMMAND_SPEC_DECODE_STATS:
             result = {"enabled": False, "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         elif cmd in (C.UTILITY_COMMAND_START_PROFILE, C.UTILITY_COMMAND_STOP_PROFILE):
@@ -226,8 +241,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"command: unknown utility command {cmd}")
         return common_pb2.UtilityResponse(command=cmd, result=to_struct(result))
 
+    async def _core_utility(self, command: UtilityCommand, context):
+        try:
+            return await self.engine.utility(command)
+        except EngineUnavailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
     # -- responses -----------------------------------------------------------------------------------
-    def _response(self, request, outputs: list[StepOutput], first: bool) -> engine_pb2.EngineResponse:
+    def _response(self, request, outputs: list[RequestOutput], first: bool) -> engine_pb2.EngineResponse:
         """Merges step outputs into one message. The first message of a stream carries partial
         usage (prompt and cached prompt tokens) so a consumer that stops early still knows it."""
         msg = engine_pb2.EngineResponse(request_id=request.request_id)
@@ -245,10 +266,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             msg.usage.total_tokens = last.num_prompt_tokens
         if last.finished:
             msg.finish_reason = FINISH_TO_PROTO[last.finish_reason]
-            if isinstance(last.stop_reason, int) and last.finish_reason == FinishReason.STOP:
-                msg.stop_token_id = last.stop_reason
-            elif isinstance(last.stop_reason, str) and last.stop_reason.startswith("seq:"):
-                msg.stop_sequence_index = int(last.stop_reason[4:])
+            if isinstance(last.stop_reason, StopToken) and last.finish_reason == FinishReason.STOP:
+                msg.stop_token_id = last.stop_reason.token_id
+            elif isinstance(last.stop_reason, StopSequence):
+                msg.stop_sequence_index = last.stop_reason.index
             msg.usage.CopyFrom(
                 common_pb2.Usage(
                     prompt_tokens=last.num_prompt_tokens,
@@ -258,8 +279,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 )
             )
             msg.timings.CopyFrom(_timings(last))
-            if request.HasField("kv_transfer_params"):
-                msg.kv_transfer_params.CopyFrom(request.kv_transfer_params)
+            if last.kv_transfer_params is not None:  # the core's copy, not the request's
+                msg.kv_transfer_params.CopyFrom(kv_transfer_to_proto(last.kv_transfer_params))
         return msg
 
 
@@ -280,7 +301,7 @@ def _note_end(scope: RequestScope, msg: engine_pb2.EngineResponse) -> None:
     )
 
 
-def _timings(o: StepOutput) -> common_pb2.Timings:
+def _timings(o: RequestOutput) -> common_pb2.Timings:
     now = time.monotonic()
     t = common_pb2.Timings()
     if not o.arrival_time:

@@ -3,9 +3,9 @@
 Rules, in order of precedence (the first that holds decides the finish reason):
 
 1. Nothing but a length limit ends a sequence with fewer than ``min_tokens`` output tokens.
-2. EOS (any of ``seq.eos_token_ids``), unless ``params.ignore_eos``: STOP, stop_reason = token id.
+2. EOS (any of ``seq.eos_token_ids``), unless ``params.ignore_eos``: STOP, stop_reason = ``StopToken(id)``.
 3. A token in ``params.stop_token_ids`` (applies even with ``ignore_eos``): STOP, same reason.
-4. The output ends with ``params.stop_token_sequences[i]``: STOP, stop_reason = ``"seq:<i>"``
+4. The output ends with ``params.stop_token_sequences[i]``: STOP, stop_reason = ``StopSequence(i)``
    (the first listed sequence that matches wins).
 5. ``num_output_tokens >= max_tokens`` or ``num_known_tokens >= max_model_len``: LENGTH.
 
@@ -23,6 +23,7 @@ token is bounded by the stop sequences' total length, never by the output's leng
 
 from __future__ import annotations
 
+from tandem.core_protocol import StopSequence, StopToken
 from tandem.engine_service.sequence import FinishReason, Sequence
 
 
@@ -37,16 +38,16 @@ def check_stop(seq: Sequence, max_model_len: int) -> bool:
     if num_output > 0 and num_output >= params.min_tokens:
         last = output[-1]
         if not params.ignore_eos and last in seq.eos_token_ids:
-            seq.finish(FinishReason.STOP, last)
+            seq.finish(FinishReason.STOP, StopToken(last))
             return True
         if last in params.stop_token_ids:
-            seq.finish(FinishReason.STOP, last)
+            seq.finish(FinishReason.STOP, StopToken(last))
             return True
         for index, stop_seq in enumerate(params.stop_token_sequences):
             length = len(stop_seq)
             # Comparing the last token first skips the slice for almost every token.
             if 0 < length <= num_output and stop_seq[-1] == last and output[-length:] == stop_seq:
-                seq.finish(FinishReason.STOP, f"seq:{index}")
+                seq.finish(FinishReason.STOP, StopSequence(index))
                 return True
 
     if num_output >= params.max_tokens or seq.num_known_tokens >= max_model_len:

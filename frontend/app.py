@@ -16,6 +16,7 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.request_builder import RequestBuilder
 from tandem.frontend.request_ids import RequestIdMap
 from tandem.frontend.server import SERVICE_NAME, FrontendServicer
+from tandem.frontend.tokenize_pool import TokenizePool
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.grpc_service import add_service, enable_reflection
 from tandem.health import add_health
@@ -31,6 +32,8 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 @dataclass
 class FrontendOptions:
+    """Everything `serve_frontend` needs, validated by the CLI that builds it."""
+
     host: str = "0.0.0.0"
     port: int = 50051
     engines: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])
@@ -41,8 +44,10 @@ class FrontendOptions:
     engine_wait_timeout: float = 900.0
     security: SecurityOptions = field(default_factory=SecurityOptions)  # clients → frontend (server side)
     engine_security: SecurityOptions = field(default_factory=SecurityOptions)  # frontend → engines (client side)
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str | None = None  # None: the service's own `host` (same interface policy)
     metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
+    tokenizer_workers: int = 2  # threads tokenizing prompts, each with its own tokenizer
+    max_pending_tokenize: int = 256  # prompts queued for those threads before RESOURCE_EXHAUSTED
     reflection: bool = False  # serve grpc.reflection
     engine_transport: str = "stream"  # "stream" (a call per choice) or "mux" (one stream per engine)
     listen_when_ready: bool = False  # extra workers on a shared port listen only once ready
@@ -52,11 +57,13 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> R
     """Waits for the engines, then loads the tokenizer and the model's limits."""
     await pool.wait_ready(timeout=options.engine_wait_timeout)
     info = pool.limits_info()
-    path = options.tokenizer_path or pool.replicas[0].model_info.get("model_path")
+    ready = next(r for r in pool.replicas if r.model_info)
+    path = options.tokenizer_path or ready.model_info.get("model_path")
     if not path:
         raise RuntimeError("no tokenizer: pass --tokenizer (the engine serves a model without one)")
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(None, TextTokenizer.from_pretrained, path)
+    await loop.run_in_executor(None, lambda: tokenizer.max_token_bytes)  # ~1 s, computed once, off the loop
     limits = Limits(
         vocab_size=info["vocab_size"],
         max_model_len=info["max_model_len"],
@@ -65,6 +72,15 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> R
     )
     name = options.served_model_name or info["model"]
     return RequestBuilder(tokenizer, limits, name, aliases=(str(path),))
+
+
+async def attach_builder(servicer: FrontendServicer, options: FrontendOptions, pool: EnginePool) -> None:
+    """Loads what the request path needs (off the event loop) and starts serving requests."""
+    builder = await build_request_builder(options, pool)
+    loop = asyncio.get_running_loop()
+    tokenize_pool = await loop.run_in_executor(None, TokenizePool, builder.tokenizer, options.tokenizer_workers,
+                                               options.max_pending_tokenize)
+    servicer.attach(builder, tokenize_pool)
 
 
 async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None = None,
@@ -87,9 +103,11 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
                       interceptors=engine_security.aio_client_interceptors(),
                       transport=options.engine_transport)
     registry = new_registry()
-    servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(pool, registry))
+    servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(pool, registry),
+                                access=options.security.access_policy())
+    metrics_host = options.metrics_host if options.metrics_host is not None else options.host
     metrics_endpoint = (
-        start_metrics_endpoint(registry, options.metrics_host, options.metrics_port)
+        start_metrics_endpoint(registry, metrics_host, options.metrics_port)
         if options.metrics_port is not None else None
     )
     add_service(server, servicer, frontend_pb2.DESCRIPTOR.services_by_name["Frontend"])
@@ -98,7 +116,7 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     if options.listen_when_ready:
         # An extra worker on a shared port: the kernel would hand it connections at once, so it
         # listens only once it can serve (the first worker answers health meanwhile).
-        servicer.attach(await build_request_builder(options, pool))
+        await attach_builder(servicer, options, pool)
     bound = add_port(server, f"{options.host}:{options.port}", options.security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {options.host}:{options.port}")
@@ -108,7 +126,7 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     options.security.warn_if_weak("server", options.host)
     engine_security.warn_if_weak("client", options.engines[0].rsplit(":", 1)[0])
     if servicer.builder is None:
-        servicer.attach(await build_request_builder(options, pool))
+        await attach_builder(servicer, options, pool)
     pool.start_monitor()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("frontend_ready")
@@ -133,11 +151,29 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     await health.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     await pool.close()
+    servicer.close()
     if metrics_endpoint is not None:
         metrics_endpoint.close()
     log.info("frontend_stopped")
     return 0
 
 
-def run_frontend(options: FrontendOptions, on_stop: Callable[[], None] | None = None) -> int:
-    return asyncio.run(serve_frontend(options, on_stop=on_stop))
+def run_frontend(options: FrontendOptions, on_stop: Callable[[], None] | None = None,
+                 on_ready: Callable[[], None] | None = None) -> int:
+    """`on_ready` runs once the frontend serves (its engines ready) and handles its signals."""
+    if on_ready is None:
+        return asyncio.run(serve_frontend(options, on_stop=on_stop))
+
+    async def main() -> int:
+        ready = asyncio.Event()
+        serving = asyncio.ensure_future(serve_frontend(options, ready=ready, on_stop=on_stop))
+        waiting = asyncio.ensure_future(ready.wait())
+        await asyncio.wait([serving, waiting], return_when=asyncio.FIRST_COMPLETED)
+        if ready.is_set():
+            await asyncio.sleep(0)  # serve_frontend installs its signal handlers first
+            on_ready()
+        else:
+            waiting.cancel()
+        return await serving
+
+    return asyncio.run(main())

@@ -97,6 +97,26 @@ class MuxCall:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.submitted = False
         self.ended = False
+        # The client's deadline covers the whole request, as it does for a per-request Stream
+        # call: Submit gets what is left of it, and so does every wait for the engine's output.
+        self.deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+
+    def _remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return self.deadline - asyncio.get_running_loop().time()
+
+    async def _next(self):
+        remaining = self._remaining()
+        try:
+            if remaining is None:
+                return await self.queue.get()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            return await asyncio.wait_for(self.queue.get(), remaining)
+        except asyncio.TimeoutError:
+            self.cancel()  # the engine aborts the request: nothing runs on past the deadline
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 
     async def _responses(self):
         rid = self.request.request_id
@@ -107,12 +127,12 @@ class MuxCall:
             # Shielded: if this request is cancelled while Submit is in flight, the admission
             # still completes and `_after_submit` aborts it, so nothing runs on unobserved.
             submit = asyncio.ensure_future(
-                self.channel.stub.Submit(self.request, timeout=self.timeout, metadata=self.metadata)
+                self.channel.stub.Submit(self.request, timeout=self._remaining(), metadata=self.metadata)
             )
             submit.add_done_callback(self._after_submit)
             await asyncio.shield(submit)
             while True:
-                item = await self.queue.get()
+                item = await self._next()
                 if isinstance(item, grpc.aio.AioRpcError):
                     raise item
                 if item.finish_reason == common_pb2.FINISH_REASON_ERROR:

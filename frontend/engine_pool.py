@@ -2,7 +2,9 @@
 
 Routing is least-in-flight among replicas whose readiness check passes. A replica that fails a
 call with UNAVAILABLE, or whose health check fails, is taken out of rotation until its health
-recovers, so a dead engine costs one failed call rather than a hang.
+recovers, so a dead engine costs one failed call rather than a hang. The frontend is ready as
+soon as one replica is (readiness quorum of one); the monitor keeps probing the others, and
+each joins the rotation when it first passes and its model matches.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ class EnginePool:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
+            # A replica that was down is re-dialled at least every 5 s (gRPC's default backoff
+            # grows to 120 s), so it rejoins the rotation soon after it comes up.
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", 5_000),
         ] + list(channel_options or [])
         self.replicas: list[EngineReplica] = []
         for address in addresses:
@@ -94,36 +100,76 @@ class EnginePool:
                 EngineReplica(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel))
             )
         self._monitor: asyncio.Task | None = None
+        # The limits the frontend was set up with (from the replicas ready at start); a replica
+        # joining later must match them.
+        self._reference: dict | None = None
+        self._incompatible: set[str] = set()
 
     async def wait_ready(self, timeout: float = 600.0, poll: float = 0.25) -> None:
-        """Waits until every replica is ready (or `timeout`), then reads their model info."""
+        """Waits until at least one replica is ready (a quorum of one: the frontend can serve),
+        or raises TimeoutError after `timeout`; reads the ready replicas' model info. The others
+        keep being probed by the monitor (`start_monitor`) and join when they pass."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             states = await asyncio.gather(*(r.check() for r in self.replicas))
-            if all(states):
+            if any(states):
                 break
             if loop.time() > deadline:
-                missing = [r.address for r in self.replicas if not r.healthy]
-                raise TimeoutError(f"engine replicas not ready: {missing}")
+                raise TimeoutError(f"no engine replica ready after {timeout:.0f}s: {[r.address for r in self.replicas]}")
             await asyncio.sleep(poll)
         for r in self.replicas:
-            r.model_info = await r.utility(common_pb2.UTILITY_COMMAND_MODEL_INFO)
+            if r.healthy:
+                await self._learn_model(r)
+        if not any(r.model_info for r in self.replicas):
+            raise NoEngineAvailable("no ready engine replica reported its model")
+        self._reference = self.limits_info()
+        missing = [r.address for r in self.replicas if not r.model_info]
+        if missing:
+            log.warning("engine_replicas_not_ready_yet", ready=[r.address for r in self.replicas if r.model_info],
+                        waiting=missing)
+
+    async def _learn_model(self, replica: EngineReplica) -> None:
+        """Reads a replica's model info; one that serves a different model or a smaller context
+        than the frontend was set up with stays out of rotation."""
+        try:
+            info = await replica.utility(common_pb2.UTILITY_COMMAND_MODEL_INFO)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("engine_model_info_failed", address=replica.address, code=exc.code().name)
+            replica.healthy = False
+            return
+        ref = self._reference
+        if ref is not None and (info.get("model", "") != ref["model"] or int(info["vocab_size"]) != ref["vocab_size"]
+                                or int(info["max_model_len"]) < ref["max_model_len"]
+                                or int(info["kv_blocks"]) * int(info["block_size"]) < ref["kv_capacity_tokens"]):
+            log.warning("engine_replica_incompatible", address=replica.address, model=info.get("model"))
+            self._incompatible.add(replica.address)  # never routed to; not asked again
+            return
+        replica.model_info = info
+        if ref is not None:
+            log.info("engine_replica_joined", address=replica.address)
 
     def start_monitor(self, interval: float = 1.0) -> None:
         self._monitor = asyncio.ensure_future(self._watch(interval))
 
     async def _watch(self, interval: float) -> None:
         while True:
-            await asyncio.gather(*(r.check() for r in self.replicas))
+            await self.probe()
             await asyncio.sleep(interval)
+
+    async def probe(self) -> None:
+        """One round of health checks; a replica ready for the first time has its model read."""
+        await asyncio.gather(*(r.check() for r in self.replicas))
+        for r in self.replicas:
+            if r.healthy and not r.model_info and r.address not in self._incompatible:
+                await self._learn_model(r)
 
     @property
     def any_healthy(self) -> bool:
-        return any(r.healthy for r in self.replicas)
+        return any(r.healthy and r.model_info for r in self.replicas)
 
     def pick(self) -> EngineReplica:
-        candidates = [r for r in self.replicas if r.healthy]
+        candidates = [r for r in self.replicas if r.healthy and r.model_info]
         if not candidates:
             raise NoEngineAvailable("no engine replica is ready")
         return min(candidates, key=lambda r: r.in_flight)

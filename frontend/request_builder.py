@@ -2,6 +2,12 @@
 
 Tokenizes once per request whatever n is; choice i gets seed + i when a seed is given, so the
 choices are distinct yet reproducible. Every check raises `InvalidRequest` naming its field.
+
+Cheap checks come first (`check_request`, no tokenizer): a prompt is refused by its UTF-8 size
+before it is tokenized when it cannot fit the context: a text of T tokens has at most
+T * `max_token_bytes` bytes (see `TextTokenizer.max_token_bytes`), so a prompt longer than
+`max_prompt_bytes` = max_model_len * max_token_bytes (never more than MAX_PROMPT_BYTES) would be
+refused after tokenizing anyway.
 """
 
 from __future__ import annotations
@@ -12,14 +18,27 @@ from google.protobuf import struct_pb2
 
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.tokenizer import TextTokenizer
-from tandem.protocol import InvalidRequest, Limits, check_prompt_token_ids, sampling_from_proto
+from tandem.protocol import (
+    MAX_CHOICES,
+    MAX_STOP_SEQUENCE_LEN,
+    InvalidRequest,
+    Limits,
+    check_prompt_token_ids,
+    sampling_from_proto,
+)
 from tandem.v1 import engine_pb2, frontend_pb2
 
-MAX_N = 16
+MAX_N = MAX_CHOICES
 MAX_STOPS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 1024
-MAX_PROMPT_CHARS = 4 * 1024 * 1024
+# Absolute ceiling on a prompt's (or all messages' contents') UTF-8 size, whatever the context.
+MAX_PROMPT_BYTES = 4 * 1024 * 1024
+# kv_transfer_params are echoed in the final reply; bounding them keeps every reply far below the
+# 16 MiB message limit (a reply's other parts are bounded by the context length).
+MAX_KV_TRANSFER_PARAMS_BYTES = 64 * 1024
+# How much of an unknown `model` name an error message quotes.
+MAX_ECHOED_MODEL_CHARS = 64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -48,6 +67,7 @@ class RequestBuilder:
         self.limits = limits
         self.served_model_name = served_model_name
         self.model_names = {served_model_name, *aliases}
+        self.max_prompt_bytes = min(MAX_PROMPT_BYTES, limits.max_model_len * tokenizer.max_token_bytes)
 
     def tokenizer_info(self) -> dict:
         return {
@@ -63,7 +83,9 @@ class RequestBuilder:
     def check_request(self, request: frontend_pb2.GenerateRequest) -> None:
         """Cheap checks that need no tokenizer (done before registering the request ID)."""
         if request.model and request.model not in self.model_names:
-            raise InvalidRequest("model", f"unknown model {request.model!r}; this server serves {self.served_model_name!r}")
+            shown = request.model[:MAX_ECHOED_MODEL_CHARS]
+            more = f"… ({len(request.model)} characters)" if len(request.model) > MAX_ECHOED_MODEL_CHARS else ""
+            raise InvalidRequest("model", f"unknown model {shown!r}{more}; this server serves {self.served_model_name!r}")
         given = [name for name, present in (
             ("prompt", bool(request.prompt)),
             ("messages", len(request.messages) > 0),
@@ -73,17 +95,23 @@ class RequestBuilder:
             raise InvalidRequest("prompt", "one of prompt, messages or prompt_token_ids is required and must not be empty")
         if len(given) > 1:
             raise InvalidRequest(given[1], f"only one of prompt, messages, prompt_token_ids may be set (got {', '.join(given)})")
-        if len(request.prompt) > MAX_PROMPT_CHARS:
-            raise InvalidRequest("prompt", f"at most {MAX_PROMPT_CHARS} characters")
+        limit = self.max_prompt_bytes
+        if request.prompt and len(request.prompt.encode("utf-8", "surrogatepass")) > limit:
+            raise InvalidRequest("prompt", f"at most {limit} bytes (UTF-8): a longer text cannot fit the context "
+                                           f"of {self.limits.max_model_len} tokens")
+        if len(request.prompt_token_ids) >= self.limits.max_model_len:
+            raise InvalidRequest("prompt_token_ids", f"{len(request.prompt_token_ids)} tokens leave no room in the "
+                                                     f"context of {self.limits.max_model_len}")
         if len(request.messages) > MAX_MESSAGES:
             raise InvalidRequest("messages", f"at most {MAX_MESSAGES} messages")
         total = 0
         for i, m in enumerate(request.messages):
             if m.role not in CHAT_ROLES:
                 raise InvalidRequest(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
-            total += len(m.content)
-        if total > MAX_PROMPT_CHARS:
-            raise InvalidRequest("messages", f"at most {MAX_PROMPT_CHARS} characters in all")
+            total += len(m.content.encode("utf-8", "surrogatepass"))
+        if total > limit:
+            raise InvalidRequest("messages", f"at most {limit} bytes (UTF-8) of content in all: a longer "
+                                             f"conversation cannot fit the context of {self.limits.max_model_len} tokens")
         n = self.num_choices(request)
         if not 1 <= n <= MAX_N:
             raise InvalidRequest("n", f"must be in [1, {MAX_N}]")
@@ -92,23 +120,35 @@ class RequestBuilder:
         for s in request.stop:
             if not s or len(s) > MAX_STOP_LEN:
                 raise InvalidRequest("stop", f"each stop string needs 1..{MAX_STOP_LEN} characters")
+        if request.HasField("kv_transfer_params"):
+            size = request.kv_transfer_params.ByteSize()
+            if size > MAX_KV_TRANSFER_PARAMS_BYTES:
+                raise InvalidRequest("kv_transfer_params", f"{size} bytes serialized; at most "
+                                                           f"{MAX_KV_TRANSFER_PARAMS_BYTES}")
 
-    def _prompt_ids(self, request: frontend_pb2.GenerateRequest) -> list[int]:
+    def _prompt_ids(self, request: frontend_pb2.GenerateRequest, tokenizer: TextTokenizer) -> list[int]:
         if request.prompt_token_ids:
             return check_prompt_token_ids("prompt_token_ids", request.prompt_token_ids, self.limits.vocab_size)
         if request.messages:
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             add_gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
             try:
-                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
+                return tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
             except ValueError as exc:
                 raise InvalidRequest("messages", str(exc)) from exc
-        return self.tokenizer.encode(request.prompt)
+        return tokenizer.encode(request.prompt)
 
-    def prepare(self, request: frontend_pb2.GenerateRequest, external_id: str, internal_ids: list[str]) -> PreparedRequest:
-        prompt = self._prompt_ids(request)
+    def prepare(self, request: frontend_pb2.GenerateRequest, external_id: str, internal_ids: list[str],
+                tokenizer: TextTokenizer | None = None) -> PreparedRequest:
+        """Tokenizes and validates; `tokenizer` is the calling thread's own (default: the shared one)."""
+        tokenizer = tokenizer if tokenizer is not None else self.tokenizer
+        prompt = self._prompt_ids(request, tokenizer)
         stops = list(request.stop)
-        sequences, owner = self.tokenizer.encode_stop_strings_with_owner(stops) if stops else ([], [])
+        sequences, owner = tokenizer.encode_stop_strings_with_owner(stops) if stops else ([], [])
+        # A stop string's token encoding is only the engine's hint to stop early; one longer than
+        # the engine accepts is left out and that stop is matched on the text alone.
+        kept = [(seq, o) for seq, o in zip(sequences, owner) if len(seq) <= MAX_STOP_SEQUENCE_LEN]
+        sequences, owner = [seq for seq, _ in kept], [o for _, o in kept]
         # Validates every sampling field against the model (raises InvalidRequest).
         sampling_from_proto(request.sampling, self.limits, len(prompt), sequences)
         kv = request.kv_transfer_params if request.HasField("kv_transfer_params") else None

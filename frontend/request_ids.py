@@ -29,6 +29,17 @@ class Registration:
 
     external_id: str
     internal_ids: list[str]
+    owner: str | None = None
+
+
+@dataclass
+class _Entry:
+    """What the map knows of one in-flight request: its choices still running, whether an
+    abort was asked for (recorded from arrival, whatever stage the request is at), its owner."""
+
+    internal_ids: list[str]
+    owner: str | None
+    aborted: bool = False
 
 
 def default_replica_prefix() -> str:
@@ -44,7 +55,8 @@ class RequestIdMap:
     Internal IDs are `<replica prefix>-<uuid4 hex>`, with `-<choice index>` appended when a
     request fans out into n > 1 choices. Every ending (finish, abort, error, disconnect) must
     call `release` or `release_internal`; both are idempotent, so calling them from several
-    cleanup paths is safe. All methods take one lock and never await, so the map may be used
+    cleanup paths is safe. `abort` marks a request from the moment it is registered, so the
+    request path can honour an abort that arrived before its choices reached an engine. All methods take one lock and never await, so the map may be used
     from the event loop and from threads alike.
     """
 
@@ -54,12 +66,13 @@ class RequestIdMap:
             raise ValueError("replica prefix must be 1-64 characters from [A-Za-z0-9._-]")
         self.replica_prefix = prefix
         self._lock = threading.Lock()
-        # external id -> internal ids still in flight (insertion order = choice index)
-        self._by_external: dict[str, list[str]] = {}
+        # external id -> internal ids still in flight (insertion order = choice index), flags
+        self._by_external: dict[str, _Entry] = {}
         self._by_internal: dict[str, str] = {}
 
-    def register(self, external_id: str | None, n: int = 1) -> Registration:
-        """Registers a request with `n` choices; generates the external ID when None.
+    def register(self, external_id: str | None, n: int = 1, owner: str | None = None) -> Registration:
+        """Registers a request with `n` choices; generates the external ID when None. `owner`
+        names the caller (None: callers are not told apart); only it may `abort` the request.
 
         Raises `DuplicateRequestId` when `external_id` is in flight, ValueError when it is
         malformed or `n` < 1.
@@ -75,15 +88,34 @@ class RequestIdMap:
         with self._lock:
             if external_id in self._by_external:
                 raise DuplicateRequestId(external_id)
-            self._by_external[external_id] = list(internal)
+            self._by_external[external_id] = _Entry(list(internal), owner)
             for iid in internal:
                 self._by_internal[iid] = external_id
-        return Registration(external_id, internal)
+        return Registration(external_id, internal, owner)
 
     def internal_ids(self, external_id: str) -> list[str]:
         """Internal IDs of `external_id` still in flight ([] when it is unknown or released)."""
         with self._lock:
-            return list(self._by_external.get(external_id, ()))
+            entry = self._by_external.get(external_id)
+            return list(entry.internal_ids) if entry is not None else []
+
+    def abort(self, external_id: str, caller: str | None = None, override: bool = False) -> list[str] | None:
+        """Marks the request aborted; returns its internal IDs still in flight, or None when it
+        is not in flight or (without `override`) belongs to an owner other than `caller`.
+        Aborting twice returns [] the second time: the first abort already ended every choice."""
+        with self._lock:
+            entry = self._by_external.get(external_id)
+            if entry is None or (not override and entry.owner is not None and entry.owner != caller):
+                return None
+            if entry.aborted:
+                return []
+            entry.aborted = True
+            return list(entry.internal_ids)
+
+    def is_aborted(self, external_id: str) -> bool:
+        with self._lock:
+            entry = self._by_external.get(external_id)
+            return entry is not None and entry.aborted
 
     def external_for(self, internal_id: str) -> str | None:
         with self._lock:
@@ -92,7 +124,8 @@ class RequestIdMap:
     def release(self, external_id: str) -> list[str]:
         """Forgets the request; returns the internal IDs that were still in flight (to abort)."""
         with self._lock:
-            internal = self._by_external.pop(external_id, [])
+            entry = self._by_external.pop(external_id, None)
+            internal = entry.internal_ids if entry is not None else []
             for iid in internal:
                 self._by_internal.pop(iid, None)
             return internal
@@ -104,7 +137,7 @@ class RequestIdMap:
             external_id = self._by_internal.pop(internal_id, None)
             if external_id is None:
                 return False
-            remaining = self._by_external[external_id]
+            remaining = self._by_external[external_id].internal_ids
             remaining.remove(internal_id)
             if remaining:
                 return False

@@ -3,6 +3,12 @@
 For each request: validate, register IDs, tokenize once, fan n choices out to one engine
 replica as n engine streams (sharing the prompt's KV blocks there), detokenize and match stop
 strings per choice, and end every engine stream when the client's call ends for any reason.
+
+Aborts (Utility ABORT) are recorded on the request from its registration: an abort that lands
+while the prompt waits for the tokenizer, while its choices are being submitted or while they
+run ends every choice with finish reason ABORT, and the answer counts the choices it ended.
+A call whose client cancelled or whose deadline passed ends as CANCELLED or DEADLINE_EXCEEDED
+even when an engine error races it.
 """
 
 from __future__ import annotations
@@ -10,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -22,43 +28,78 @@ from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.observe import RequestObservation
 from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.request_ids import DuplicateRequestId, RequestIdMap
+from tandem.frontend.tokenize_pool import TokenizePool, TokenizerBusy
 from tandem.grpc_service import reject_malformed
 from tandem.protocol import InvalidRequest, to_struct
+from tandem.security import AccessPolicy
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "tandem.v1.Frontend"
+# Utility commands that change server state: they need an admin credential (see AccessPolicy).
+ADMIN_COMMANDS = frozenset({
+    common_pb2.UTILITY_COMMAND_FLUSH_PREFIX_CACHE,
+    common_pb2.UTILITY_COMMAND_START_PROFILE,
+    common_pb2.UTILITY_COMMAND_STOP_PROFILE,
+})
 
 
 @dataclass
 class ActiveRequest:
-    """A client request in flight: where its choices run, so Utility ABORT can reach them."""
+    """A client request in flight, from registration to its end, so Utility ABORT can reach it.
+
+    Invariant: once `aborted` is set it stays set, and the request path ends every choice not
+    already ended with ABORT: before fan-out by never opening them, during fan-out through
+    `end_choices` (installed by the fan-out, it returns how many choices it ends).
+    """
 
     external_id: str
     internal_ids: list[str]
     replica: EngineReplica | None = None
     observation: RequestObservation | None = None
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    end_choices: Callable[[], int] | None = None
+
+    def abort(self) -> int:
+        """Marks the request aborted; returns the number of choices this abort ends."""
+        if self.aborted.is_set():
+            return 0
+        self.aborted.set()
+        if self.end_choices is not None:
+            return self.end_choices()
+        return len(self.internal_ids)  # none has started: all of them end here
+
+
+class _Aborted(Exception):
+    """Internal: the fan-out queue's marker that Utility ABORT ended the request."""
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     """Implements Generate / Stream / Utility on top of an `EnginePool`."""
 
-    def __init__(self, pool: EnginePool, ids: RequestIdMap, metrics: FrontendMetrics | None = None) -> None:
+    def __init__(self, pool: EnginePool, ids: RequestIdMap, metrics: FrontendMetrics | None = None,
+                 access: AccessPolicy | None = None) -> None:
         self.pool = pool
         self.metrics = metrics if metrics is not None else FrontendMetrics(pool)
+        self.access = access if access is not None else AccessPolicy()
         # Set by `attach` once the engines are ready and the tokenizer is loaded; until then
         # every request gets UNAVAILABLE (the handlers must be registered before the server starts).
         self.builder: RequestBuilder | None = None
+        self.tokenize_pool: TokenizePool | None = None
         self.ids = ids
         self.active: dict[str, ActiveRequest] = {}
         self.accepting = True
-        # Tokenizers are not safe for concurrent use: one worker thread serialises them while
-        # keeping the event loop free.
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
 
-    def attach(self, builder: RequestBuilder) -> None:
+    def attach(self, builder: RequestBuilder, tokenize_pool: TokenizePool) -> None:
+        """Starts serving with `builder`; prompts are tokenized on `tokenize_pool` (threads with
+        clones of the builder's tokenizer, which itself stays with the event loop for detokenizing)."""
+        self.tokenize_pool = tokenize_pool
         self.builder = builder
+
+    def close(self) -> None:
+        if self.tokenize_pool is not None:
+            self.tokenize_pool.close()
 
     # -- RPCs ----------------------------------------------------------------------------------------
     async def Stream(self, request, context):
@@ -87,32 +128,30 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         cmd = request.command
         if self.builder is None and cmd != C.UTILITY_COMMAND_HEALTH:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "frontend is starting")
+        if cmd in ADMIN_COMMANDS and not self.access.is_admin(context):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"command: {C.UtilityCommand.Name(cmd)} changes server state and needs an admin "
+                                "token (--admin-token-file) or a server started with --allow-admin-commands")
         if cmd == C.UTILITY_COMMAND_HEALTH:
             ready = self.builder is not None and self.accepting and self.pool.any_healthy
-            result = {
-                "status": "SERVING" if ready else "NOT_SERVING",
-                "pid": os.getpid(),  # which frontend worker answered
-                "in_flight": len(self.ids),
-                "engines": {r.address: r.healthy for r in self.pool.replicas},
-            }
+            result = {"status": "SERVING" if ready else "NOT_SERVING"}
+            if self.access.is_admin(context):  # internals only for an administrator
+                result.update(pid=os.getpid(), in_flight=len(self.ids),
+                              engines={r.address: r.healthy for r in self.pool.replicas})
         elif cmd == C.UTILITY_COMMAND_MODEL_INFO:
             result = dict(self.pool.limits_info())
             result["tokenizer"] = self.builder.tokenizer_info()
+            # What a request that sets no sampling field gets (the engine applies these).
+            defaults = self.pool.replicas[0].model_info.get("sampling_defaults") if self.pool.replicas else None
+            if defaults is not None:
+                result["sampling_defaults"] = defaults
         elif cmd == C.UTILITY_COMMAND_ABORT:
-            active = self.active.get(request.request_id)
+            result = self._abort(request, context) if request.request_id else None
             if not request.request_id:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required for ABORT")
-            if active is None or active.replica is None:
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight")
-            aborted = []
-            for internal_id in active.internal_ids:
-                try:
-                    await active.replica.utility(C.UTILITY_COMMAND_ABORT, internal_id)
-                    aborted.append(internal_id)
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: that choice already ended
-                        raise
-            result = {"aborted": request.request_id, "choices": len(aborted)}
+            if result is None:
+                # Also the answer for another caller's request: its existence is not revealed.
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id[:256]!r} is not in flight")
         elif cmd in (C.UTILITY_COMMAND_STATS, C.UTILITY_COMMAND_FLUSH_PREFIX_CACHE, C.UTILITY_COMMAND_SPEC_DECODE_STATS):
             per_engine = {}
             for r in self.pool.replicas:
@@ -122,12 +161,24 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                     per_engine[r.address] = {"error": exc.code().name}
             result = {"engines": per_engine}
             if cmd == C.UTILITY_COMMAND_STATS:
-                result["frontend"] = {"in_flight": len(self.ids), "in_flight_choices": self.ids.num_internal}
+                result["frontend"] = {"in_flight": len(self.ids), "in_flight_choices": self.ids.num_internal,
+                                      "pid": os.getpid()}
         elif cmd in (C.UTILITY_COMMAND_START_PROFILE, C.UTILITY_COMMAND_STOP_PROFILE):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "profiling is not enabled")
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"command: unknown utility command {cmd}")
         return common_pb2.UtilityResponse(command=cmd, result=to_struct(result))
+
+    def _abort(self, request, context) -> dict | None:
+        """Utility ABORT: ends every choice of the caller's request at whatever stage it is;
+        None when the request is not in flight or belongs to another caller."""
+        active = self.active.get(request.request_id)
+        if active is None:
+            return None
+        caller = self.access.caller_identity(context)
+        if self.ids.abort(active.external_id, caller, override=self.access.is_admin(context)) is None:
+            return None
+        return {"aborted": active.external_id, "choices": active.abort()}
 
     # -- the request path ------------------------------------------------------------------------------
     async def _run(self, request, context, stream: bool, obs: RequestObservation):
@@ -139,7 +190,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "frontend is draining")
         try:
             self.builder.check_request(request)
-            reg = self.ids.register(request.request_id or None, self.builder.num_choices(request))
+            reg = self.ids.register(request.request_id or None, self.builder.num_choices(request),
+                                    owner=self.access.caller_identity(context))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except DuplicateRequestId:
@@ -150,13 +202,10 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         active = ActiveRequest(reg.external_id, reg.internal_ids, observation=obs)
         self.active[reg.external_id] = active
         try:
-            loop = asyncio.get_running_loop()
-            try:
-                prepared: PreparedRequest = await loop.run_in_executor(
-                    self._tokenize_pool, self.builder.prepare, request, reg.external_id, reg.internal_ids
-                )
-            except InvalidRequest as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            prepared = await self._prepare_unless_aborted(request, reg, active, context)
+            if prepared is None:  # aborted while waiting for the tokenizer
+                yield self._aborted_reply(reg.external_id, len(reg.internal_ids), stream, arrival)
+                return
             try:
                 active.replica = self.pool.pick()
             except NoEngineAvailable as exc:
@@ -168,6 +217,43 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             self.active.pop(reg.external_id, None)
             self.ids.release(reg.external_id)
 
+    async def _prepare_unless_aborted(self, request, reg, active: ActiveRequest, context) -> PreparedRequest | None:
+        """Tokenizes on the pool; None as soon as an abort arrives (the tokenizer's result is dropped)."""
+        job = asyncio.ensure_future(self.tokenize_pool.run(self._prepare_with, request, reg.external_id,
+                                                           reg.internal_ids))
+        aborted = asyncio.ensure_future(active.aborted.wait())
+        try:
+            await asyncio.wait((job, aborted), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not job.done():
+                job.cancel()
+        if active.aborted.is_set():
+            if job.done() and not job.cancelled():
+                job.exception()  # retrieved: an invalid request that was aborted anyway is not an error
+            return None
+        try:
+            return job.result()
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TokenizerBusy as exc:
+            context.set_trailing_metadata((("retry-after", "1"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
+
+    def _prepare_with(self, tokenizer, request, external_id: str, internal_ids: list[str]) -> PreparedRequest:
+        return self.builder.prepare(request, external_id, internal_ids, tokenizer=tokenizer)
+
+    def _aborted_reply(self, external_id: str, n: int, stream: bool, arrival: float):
+        """The reply of a request aborted before any choice reached an engine: n ABORT endings."""
+        cls = frontend_pb2.GenerateStreamResponse if stream else frontend_pb2.GenerateResponse
+        msg = cls(request_id=external_id)
+        for i in range(n):
+            msg.choices.add(index=i, finish_reason=common_pb2.FINISH_REASON_ABORT)
+        msg.usage.SetInParent()
+        msg.timings.latency = time.monotonic() - arrival
+        msg.model = self.builder.served_model_name
+        return msg
+
     async def _fan_out(self, prepared: PreparedRequest, active: ActiveRequest, context, stream: bool, arrival: float):
         replica = active.replica
         choices = [self.builder.choice_state(prepared, i) for i in range(len(prepared.engine_requests))]
@@ -175,7 +261,19 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         deadline = context.time_remaining()
         obs = active.observation
         metadata = obs.engine_metadata()  # the client's trace continues on the engine hop
-        calls = [replica.open_call(er, deadline, metadata, self.pool.multiplexed) for er in prepared.engine_requests]
+        open_choices = set(range(len(prepared.engine_requests)))
+
+        def end_choices() -> int:
+            # Utility ABORT during fan-out: the loop below ends every open choice when it reads this.
+            queue.put_nowait((None, None, _Aborted()))
+            return len(open_choices)
+
+        active.end_choices = end_choices
+        if active.aborted.is_set():  # aborted between tokenizing and here: nothing reaches the engine
+            end_choices()
+            calls = []
+        else:
+            calls = [replica.open_call(er, deadline, metadata, self.pool.multiplexed) for er in prepared.engine_requests]
         replica.in_flight += 1
 
         async def pump(i: int) -> None:
@@ -193,22 +291,22 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             await queue.put((i, None, None))
 
         pumps = [asyncio.ensure_future(pump(i)) for i in range(len(calls))]
-        open_choices = set(range(len(calls)))
         first_token_time: float | None = None
         try:
             while open_choices:
                 i, resp, error = await queue.get()
-                if i not in open_choices:  # ended by a stop string; its cancelled call says goodbye
-                    continue
                 deltas = []
-                if error is not None:
-                    if error.code() == grpc.StatusCode.UNAVAILABLE:
-                        self.pool.mark_failed(replica)
-                    retry = [(k, v) for k, v in (error.trailing_metadata() or ()) if k == "retry-after"]
-                    if retry:
-                        context.set_trailing_metadata(tuple(retry))
-                    await context.abort(error.code(), f"engine: {error.details()}")
-                if resp is None:  # engine stream closed
+                if isinstance(error, _Aborted):
+                    for j in sorted(open_choices):
+                        deltas.append(choices[j].abort_delta(common_pb2.FINISH_REASON_ABORT))
+                        if j < len(calls):
+                            calls[j].cancel()  # the engine frees the choice (stream cancel / mux abort)
+                    open_choices.clear()
+                elif i not in open_choices:  # ended by a stop string; its cancelled call says goodbye
+                    continue
+                elif error is not None:
+                    await self._end_with_engine_error(context, error, replica)
+                elif resp is None:  # engine stream closed
                     if not choices[i].finished:
                         deltas.append(choices[i].abort_delta(common_pb2.FINISH_REASON_ABORT))
                     open_choices.discard(i)
@@ -223,6 +321,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 # Coalesce whatever else is already queued into the same message.
                 while not queue.empty() and open_choices:
                     j, r2, e2 = queue.get_nowait()
+                    if isinstance(e2, _Aborted):
+                        queue.put_nowait((j, r2, e2))
+                        break
                     if j not in open_choices:
                         continue
                     if e2 is not None or r2 is None:
@@ -254,11 +355,28 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                     self._attach_logprobs(msg, choices)
                 yield msg
         finally:
+            active.end_choices = lambda: 0  # every choice has ended: a late ABORT ends none
             replica.in_flight -= 1
             for call in calls:
                 call.cancel()
             for p in pumps:
                 p.cancel()
+
+    async def _end_with_engine_error(self, context, error: grpc.aio.AioRpcError, replica: EngineReplica) -> None:
+        """Ends the client's call with the engine's error, unless the client's own ending raced it:
+        a passed deadline is DEADLINE_EXCEEDED and a call the client already left is CANCELLED,
+        whatever the engine said (aborting a finished call would be metered as UNKNOWN)."""
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            self.pool.mark_failed(replica)
+        remaining = context.time_remaining()
+        if (remaining is not None and remaining <= 0) or context.done():
+            # The call is over for the client; `grpc_outcome` reads this as DEADLINE_EXCEEDED
+            # (deadline passed) or CANCELLED. Aborting it instead would fail and count as UNKNOWN.
+            raise asyncio.CancelledError()
+        retry = [(k, v) for k, v in (error.trailing_metadata() or ()) if k == "retry-after"]
+        if retry:
+            context.set_trailing_metadata(tuple(retry))
+        await context.abort(error.code(), f"engine: {error.details()}")
 
     @staticmethod
     def _attach_logprobs(msg: frontend_pb2.GenerateResponse, choices: list[ChoiceState]) -> None:

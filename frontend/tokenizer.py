@@ -10,7 +10,9 @@ is ever unsafe, only briefly contended.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import json
 import os
 import threading
@@ -19,7 +21,9 @@ from typing import Any
 
 import jinja2
 import structlog
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+# Not `from transformers import AutoTokenizer`: it reaches modeling code that imports torch, and
+# the frontend must stay torch-free. AutoTokenizer is imported when a tokenizer needs it.
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 logger = structlog.get_logger(__name__)
 
@@ -56,6 +60,38 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 # transformers uses int(1e30) as "no limit known"; anything this large is not a real context.
 _MAX_SANE_MODEL_LEN = 1 << 24
+
+
+class AutoTokenizer:
+    """`transformers.AutoTokenizer`, imported on first use (importing it imports torch)."""
+
+    @staticmethod
+    def from_pretrained(*args: Any, **kwargs: Any) -> PreTrainedTokenizerBase:
+        from transformers import AutoTokenizer as _Auto
+
+        return _Auto.from_pretrained(*args, **kwargs)
+
+
+# Directories whose tokenizer_config names one of these are plain `tokenizer.json` tokenizers:
+# loaded without AutoTokenizer (whose model-config lookup imports torch), as the same class.
+_PLAIN_FAST_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _plain_fast_tokenizer(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return name in _PLAIN_FAST_CLASSES and os.path.isfile(os.path.join(path, "tokenizer.json"))
+
+
+def _load(path: str, use_fast: bool, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    if use_fast and not trust_remote_code and _plain_fast_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, use_fast=use_fast, trust_remote_code=trust_remote_code)
 
 
 class TextTokenizer:
@@ -104,7 +140,7 @@ class TextTokenizer:
                 break  # the fast tokenizer round-trips: no reason to look further
             label = "fast" if use_fast else "slow"
             try:
-                tok = AutoTokenizer.from_pretrained(path, use_fast=use_fast, trust_remote_code=trust_remote_code)
+                tok = _load(path, use_fast, trust_remote_code)
             except Exception as exc:  # noqa: BLE001 - any loader failure means "try the other one"
                 errors.append(f"{label}: {exc!r}")
                 logger.warning("tokenizer failed to load", path=path, kind=label, error=repr(exc))
@@ -133,6 +169,22 @@ class TextTokenizer:
     def hf_tokenizer(self) -> PreTrainedTokenizerBase:
         """The wrapped tokenizer; callers that use it directly take on the threading caveat."""
         return self._tok
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes one token can stand for at most (computed once, ~1 s for 50k tokens)."""
+        with self._lock:
+            return _max_token_bytes(self._tok)
+
+    def clone(self) -> TextTokenizer:
+        """An independent copy (its own Rust tokenizer and lock) for another thread."""
+        with self._lock:
+            tok = copy.deepcopy(self._tok)
+        twin = TextTokenizer(tok, kind=self.kind, probe_passed=self.probe_passed,
+                             extra_eos_token_ids=self.eos_token_ids)
+        if "max_token_bytes" in self.__dict__:
+            twin.__dict__["max_token_bytes"] = self.__dict__["max_token_bytes"]
+        return twin
 
     @property
     def has_chat_template(self) -> bool:
@@ -213,6 +265,20 @@ class TextTokenizer:
                     sequences.append(seq)
                     owner.append(index)
         return sequences, owner
+
+
+def _max_token_bytes(tok: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the UTF-8 bytes of text that one token stands for.
+
+    Each token is decoded alone: byte-level BPE gives its bytes (a partial UTF-8 sequence
+    decodes to U+FFFD, 3 bytes, never fewer than it covers); a SentencePiece piece loses its
+    leading space when decoded alone, hence the + 1. So a text of T tokens has at most
+    T * max_token_bytes bytes, for tokenizers whose normaliser does not delete text (one that
+    strips accents could shrink it).
+    """
+    texts = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=False,
+                             clean_up_tokenization_spaces=False)
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=0) + 1
 
 
 def _probe(tok: PreTrainedTokenizerBase) -> float:

@@ -64,7 +64,8 @@ def stop_workers(workers: list, timeout: float, already_signalled: bool) -> int:
 
 
 def run_frontend_workers(options: FrontendOptions, count: int, log_level: str, log_json: bool,
-                         on_stop: Callable[[], None] | None = None) -> int:
+                         on_stop: Callable[[], None] | None = None,
+                         on_ready: Callable[[], None] | None = None) -> int:
     """Runs `count` frontend processes (this one included) until SIGTERM; drains them all."""
     if count < 1:
         raise ValueError("at least one frontend worker is needed")
@@ -80,7 +81,7 @@ def run_frontend_workers(options: FrontendOptions, count: int, log_level: str, l
             on_stop()
 
     try:
-        rc = run_frontend(options, on_stop=forward)
+        rc = run_frontend(options, on_stop=forward, on_ready=on_ready)
     finally:
         worst = stop_workers(extra, options.drain_timeout + 10, already_signalled=signalled)
     return rc or worst

@@ -1,4 +1,13 @@
-"""The `tandem` command: serve, engine, frontend, generate, chat, bench."""
+"""The `tandem` command: serve, engine, frontend, generate, chat, bench.
+
+Flags come from dataclasses (`engine_service/config.py`, `tandem/cli_options.py`) through
+`tandem.options`: every flag has a help line with its default, a `TANDEM_<FLAG>` environment
+variable and a `--config FILE` key; precedence: command line > environment > config file >
+default. A server command checks its flags before it starts (`tandem.startup_checks`) and a
+client command waits for the server to be ready (`tandem.readiness`); either failure is one
+line on stderr (one JSON record with `--log-format json`) and a non-zero exit. Tracebacks
+appear only with `--log-level debug`.
+"""
 
 from __future__ import annotations
 
@@ -10,75 +19,34 @@ import subprocess
 import sys
 import threading
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from tandem import options
+from tandem.cli_options import (
+    DEFAULT_ENGINE_ADDRESS,
+    ENGINE_SERVER_DEFAULTS,
+    ClientArgs,
+    EngineCoreArgs,
+    workers_count,
+    FrontendArgs,
+    MetricsArgs,
+    ServeArgs,
+    ServerArgs,
+)
+from tandem.startup_checks import StartupError
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=os.environ.get("TANDEM_MODEL", DEFAULT_MODEL),
-                   help="embedded name, Hugging Face directory, .gguf file, or dummy:<config> (default: %(default)s)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size (blocks)")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9, help="GPU: fraction of free memory for KV")
-    g.add_argument("--cpu-kv-cache-gb", type=float, default=1.0, help="CPU: KV pool size in GiB")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-prefill-tokens-per-seq", type=int, default=None,
-                   help="fair prefill: prompt tokens of one request per step, so a long prompt cannot hold up "
-                        "others; 0: no cap (default: 512 on CUDA, 16 on CPU)")
-    g.add_argument("--max-waiting-requests", type=int, default=1024, help="bound of the waiting queue (requests)")
-    g.add_argument("--max-waiting-tokens", type=int, default=1 << 20, help="bound of the waiting queue (prompt tokens)")
-    g.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
-    g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: Triton kernels on CUDA, PyTorch reference on CPU (default: %(default)s)")
-    g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs for decode")
-    g.add_argument("--overlap-scheduling", default="auto", choices=["auto", "on", "off"],
-                   help="build and launch the next step while the current one runs on the device; "
-                        "auto: on for CUDA (default: %(default)s)")
+_workers_count = workers_count  # `tandem bench serve --frontend-workers` parses the same way
+
+
+# -- engine flags (their declaration: engine_service/config.py; tests call these two) --------------
 
 
 def _engine_config(args):
-    from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          seed=args.seed, cache_dir=args.cache_dir, attention_backend=args.attention_backend,
-                          enforce_eager=args.enforce_eager),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                          memory_fraction=args.kv_cache_memory_fraction,
-                          cpu_kv_cache_bytes=int(args.cpu_kv_cache_gb * (1 << 30)),
-                          enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_waiting_requests=args.max_waiting_requests,
-                                  max_waiting_tokens=args.max_waiting_tokens,
-                                  max_prefill_tokens_per_seq=args.max_prefill_tokens_per_seq,
-                                  overlap_scheduling=args.overlap_scheduling),
-    )
+    return options.engine_config_from_args(args)
 
 
 def _engine_flags(args) -> list[str]:
     """The engine flags of `serve`, passed on to the engine subprocess."""
-    out = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
-           "--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction), "--cpu-kv-cache-gb", str(args.cpu_kv_cache_gb),
-           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-waiting-requests", str(args.max_waiting_requests), "--max-waiting-tokens", str(args.max_waiting_tokens),
-           "--seed", str(args.seed), "--attention-backend", args.attention_backend,
-           "--overlap-scheduling", args.overlap_scheduling]
-    for flag, value in (("--max-model-len", args.max_model_len), ("--num-kv-blocks", args.num_kv_blocks),
-                        ("--cache-dir", args.cache_dir),
-                        ("--max-prefill-tokens-per-seq", args.max_prefill_tokens_per_seq)):
-        if value is not None:
-            out += [flag, str(value)]
-    if args.no_prefix_caching:
-        out.append("--no-prefix-caching")
-    if args.enforce_eager:
-        out.append("--enforce-eager")
-    return out
+    return options.engine_argv(_engine_config(args))
 
 
 def _security(args, prefix: str = ""):
@@ -88,22 +56,12 @@ def _security(args, prefix: str = ""):
     try:
         return SecurityOptions.from_args(args, prefix)
     except SecurityConfigError as exc:
-        raise SystemExit(f"tandem: {exc}") from None
-
-
-def _metrics_args(p: argparse.ArgumentParser, engine_child: bool = False) -> None:
-    g = p.add_argument_group("metrics")
-    g.add_argument("--metrics-host", default="0.0.0.0", help="Prometheus endpoint bind address (default: %(default)s)")
-    g.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port" + (" (the frontend's)" if engine_child else "")
-                   + "; off when not given")
-    if engine_child:
-        g.add_argument("--engine-metrics-port", type=int, default=None,
-                       help="serve the engine child's Prometheus metrics on this port; off when not given")
+        message = str(exc) if str(exc).startswith("-") else f"--{prefix}{exc}"
+        raise StartupError(message.split()[0], None, message) from None
 
 
 def _metrics_options(args) -> dict:
-    return {"metrics_host": args.metrics_host, "metrics_port": args.metrics_port}
+    return {"metrics_host": args.metrics_host or args.host, "metrics_port": args.metrics_port}
 
 
 def _engine_metrics_argv(args) -> list[str]:
@@ -111,8 +69,9 @@ def _engine_metrics_argv(args) -> list[str]:
     if args.engine_metrics_port is None:
         return []
     if args.engine_metrics_port == args.metrics_port and args.metrics_port != 0:
-        raise SystemExit("tandem: --metrics-port and --engine-metrics-port must differ (two processes)")
-    return ["--metrics-host", args.metrics_host, "--metrics-port", str(args.engine_metrics_port)]
+        raise StartupError("--engine-metrics-port", args.engine_metrics_port,
+                           "must differ from --metrics-port (two processes)")
+    return ["--metrics-host", args.metrics_host or args.engine_host, "--metrics-port", str(args.engine_metrics_port)]
 
 
 def _fault_after_steps() -> int | None:
@@ -121,88 +80,173 @@ def _fault_after_steps() -> int | None:
     return int(value) if value else None
 
 
+def _connect_host(host: str) -> str:
+    """The address a local client dials for a server bound to `host`."""
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
+
+
+# -- server commands ------------------------------------------------------------------------------
+
+
+def _check_engine_flags(args) -> None:
+    from tandem import startup_checks
+
+    startup_checks.check_model(args.model)
+    startup_checks.check_generation_config(args.generation_config)
+
+
 def cmd_engine(args) -> int:
+    from tandem import startup_checks
+
+    _check_engine_flags(args)
+    startup_checks.check_port_free("--port", args.host, args.port)
+    startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
+    startup_checks.check_pem_files(args)
     from tandem.engine_service.app import EngineServerOptions, run_engine
 
-    return run_engine(_engine_config(args), EngineServerOptions(host=args.host, port=args.port,
-                                                                default_max_tokens=args.default_max_tokens,
-                                                                drain_timeout=args.drain_timeout,
-                                                                security=_security(args), reflection=args.enable_reflection,
+    server = options.from_args(ServerArgs, args)
+    return run_engine(_engine_config(args), EngineServerOptions(host=server.host, port=server.port,
+                                                                default_max_tokens=server.default_max_tokens,
+                                                                drain_timeout=server.drain_timeout,
+                                                                security=_security(args),
+                                                                reflection=server.enable_reflection,
                                                                 fail_after_steps=_fault_after_steps(),
+                                                                engine_core=args.engine_core,
+                                                                log_level=args.log_level,
+                                                                log_format=args.log_format,
                                                                 **_metrics_options(args)))
 
 
-def cmd_frontend(args) -> int:
+def _frontend_options(args, engines: list[str]):
     from tandem.frontend.app import FrontendOptions
+
+    server = options.from_args(ServerArgs, args)
+    return FrontendOptions(host=server.host, port=server.port, engines=engines, tokenizer_path=args.tokenizer,
+                           served_model_name=args.served_model_name, default_max_tokens=server.default_max_tokens,
+                           drain_timeout=server.drain_timeout, security=_security(args),
+                           engine_security=_security(args, "engine-"), reflection=server.enable_reflection,
+                           engine_transport=args.engine_transport, **_metrics_options(args))
+
+
+def cmd_frontend(args) -> int:
+    from tandem import startup_checks
+
+    engines = args.engine or [DEFAULT_ENGINE_ADDRESS]
+    startup_checks.check_port_free("--port", args.host, args.port)
+    startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
+    startup_checks.check_pem_files(args)
+    startup_checks.check_pem_files(args, "engine-")
+    startup_checks.check_engines_reachable(engines, args.engine_connect_timeout)
     from tandem.frontend.workers import run_frontend_workers
 
-    return run_frontend_workers(FrontendOptions(host=args.host, port=args.port, engines=args.engine,
-                                        tokenizer_path=args.tokenizer, served_model_name=args.served_model_name,
-                                        default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
-                                        security=_security(args), engine_security=_security(args, "engine-"),
-                                        reflection=args.enable_reflection, engine_transport=args.engine_transport,
-                                        **_metrics_options(args)),
-                                args.workers, args.log_level, args.log_format == "json")
+    return run_frontend_workers(_frontend_options(args, engines), args.workers, args.log_level,
+                                args.log_format == "json")
+
+
+def _child_env(parser_for_engine: argparse.ArgumentParser) -> dict[str, str]:
+    """The environment of `serve`'s engine child: the parent passes every engine flag on the
+    command line, so `TANDEM_<FLAG>` variables meant for the parent (its `--port`, its
+    certificate) must not become the child's defaults."""
+    names = {options.env_name(a) for a in options.flag_actions(parser_for_engine)} - {None}
+    names.discard("TANDEM_CACHE_DIR")  # also read by the loader, with the same meaning
+    return {k: v for k, v in os.environ.items() if k not in names}
 
 
 def cmd_serve(args) -> int:
     """Engine in a child process, frontend in this one; either ending ends both."""
-    from tandem.frontend.app import FrontendOptions
+    import multiprocessing
+
+    from tandem import startup_checks
+
+    _check_engine_flags(args)
+    startup_checks.check_port_free("--port", args.host, args.port)
+    startup_checks.check_port_free("--engine-port", args.engine_host, args.engine_port)
+    startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
+    startup_checks.check_port_free("--engine-metrics-port", args.metrics_host or args.engine_host, args.engine_metrics_port)
+    startup_checks.check_pem_files(args)
+    startup_checks.check_pem_files(args, "engine-")
+    # Imported after the checks: a wrong flag is reported before torch loads.
     from tandem.frontend.workers import run_frontend_workers
     from tandem.security import engine_child_security
 
     engine_addr = f"{args.engine_host}:{args.engine_port}"
-    security, engine_security = _security(args), _security(args, "engine-")
+    frontend_options = _frontend_options(args, [engine_addr])
+    engine_security = frontend_options.engine_security
     # The engine child gets the server side of the engine hop; its token travels in the env.
     child_security_argv, child_env = engine_child_security(engine_security)
+    server = options.from_args(ServerArgs, args)
     child = subprocess.Popen(
         [sys.executable, "-P", "-m", "tandem.cli", "--log-level", args.log_level, "--log-format", args.log_format,
          "engine", "--host", args.engine_host, "--port", str(args.engine_port),
-         "--default-max-tokens", str(args.default_max_tokens), "--drain-timeout", str(args.drain_timeout)]
-        + _engine_flags(args) + child_security_argv + _engine_metrics_argv(args)
-        + (["--enable-reflection"] if args.enable_reflection else []),
-        env={**os.environ, **child_env},
+         "--default-max-tokens", str(server.default_max_tokens), "--drain-timeout", str(server.drain_timeout)]
+        + _engine_flags(args) + ["--engine-core", args.engine_core] + child_security_argv
+        + _engine_metrics_argv(args)
+        + (["--enable-reflection"] if server.enable_reflection else []),
+        env={**_child_env(args.engine_parser), **child_env},
     )
 
     stopping = threading.Event()
+    ready = threading.Event()
+    engine_died = threading.Event()  # on its own, not stopped by us
 
-    def stop_during_startup(signum, frame):
-        # Until the frontend's event loop installs its own handlers (which drain), a signal
-        # must still take the engine child down with us.
+    def end_during_startup(code: int, line: str | None) -> None:
+        # Nothing to drain before the frontend is ready: stop the child and the extra frontend
+        # workers this process started, and leave without the event loop's teardown noise.
         stopping.set()
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
-        raise SystemExit(0)
+            try:
+                child.wait(15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        for worker in multiprocessing.active_children():
+            worker.kill()
+        if line:
+            _report_line(args, line)
+        sys.stderr.flush()
+        os._exit(code)
+
+    def stop_during_startup(signum, frame):
+        end_during_startup(128 + signum if signum != signal.SIGTERM else 0, None)
 
     def watch_engine():
         child.wait()
-        if not stopping.is_set():  # the engine died on its own: end the frontend too
-            log_exit = f"engine exited with code {child.returncode}"
-            sys.stderr.write(json.dumps({"event": "engine_child_exited", "detail": log_exit}) + "\n")
-            os.kill(os.getpid(), signal.SIGTERM)
+        if stopping.is_set():
+            return
+        line = f"the engine exited with code {child.returncode}"
+        if not ready.is_set():
+            end_during_startup(child.returncode or 1, line + " before it was ready (its log is above)")
+        engine_died.set()
+        _report_line(args, line)  # the engine died on its own: end the frontend too
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def announce_ready():
+        ready.set()
+        address = f"{_connect_host(args.host)}:{args.port}"
+        print(f"Tandem is ready: {args.served_model_name or args.model} at {address} "
+              f"(try: tandem chat --address {address} \"Hello\")", flush=True)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_during_startup)
     threading.Thread(target=watch_engine, name="engine-watch", daemon=True).start()
     try:
-        rc = run_frontend_workers(
-            FrontendOptions(host=args.host, port=args.port, engines=[engine_addr],
-                            served_model_name=args.served_model_name, tokenizer_path=args.tokenizer,
-                            default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout,
-                            security=security, engine_security=engine_security,
-                            reflection=args.enable_reflection, engine_transport=args.engine_transport,
-                            **_metrics_options(args)),
-            args.frontend_workers, args.log_level, args.log_format == "json")
+        rc = run_frontend_workers(frontend_options, args.frontend_workers, args.log_level,
+                                  args.log_format == "json", on_ready=announce_ready)
     finally:
         stopping.set()
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
             try:
-                child.wait(args.drain_timeout + 10)
+                child.wait(server.drain_timeout + 10)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-    return rc or (child.returncode or 0)
+    if engine_died.is_set():
+        return rc or (child.returncode if child.returncode and child.returncode > 0 else 1)
+    return rc
+
+
+# -- client commands ------------------------------------------------------------------------------
 
 
 def _print_response(resp, as_json: bool) -> None:
@@ -216,34 +260,40 @@ def _print_response(resp, as_json: bool) -> None:
         print(prefix + c.text)
 
 
-def _client_kwargs(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                seed=args.seed, stop=args.stop or None, n=args.n, logprobs=args.logprobs)
+def _ready_client(args):
+    """A TandemClient whose server is ready (waiting up to --wait seconds)."""
+    from tandem.client import TandemClient
+
+    client = TandemClient(args.address, security=_security(args))
+    try:
+        client.wait_ready(args.wait)
+    except BaseException:
+        client.close()
+        raise
+    return client
 
 
 def cmd_generate(args) -> int:
-    from tandem.client import TandemClient
-
-    with TandemClient(args.address, security=_security(args)) as client:
+    request = options.from_args(ClientArgs, args)
+    with _ready_client(args) as client:
         if args.stream:
-            for msg in client.stream(args.prompt, **_client_kwargs(args)):
+            for msg in client.stream(args.prompt, **request.sampling_kwargs()):
                 for c in msg.choices:
                     sys.stdout.write(c.text)
                 sys.stdout.flush()
             print()
         else:
-            _print_response(client.generate(args.prompt, **_client_kwargs(args)), args.json)
+            _print_response(client.generate(args.prompt, **request.sampling_kwargs()), args.json)
     return 0
 
 
 def cmd_chat(args) -> int:
-    from tandem.client import TandemClient
-
+    request = options.from_args(ClientArgs, args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    with TandemClient(args.address, security=_security(args)) as client:
+    with _ready_client(args) as client:
         if args.message:
             messages.append({"role": "user", "content": args.message})
-            _print_response(client.chat(messages, **_client_kwargs(args)), args.json)
+            _print_response(client.chat(messages, **request.sampling_kwargs()), args.json)
             return 0
         while True:  # interactive
             try:
@@ -251,110 +301,138 @@ def cmd_chat(args) -> int:
             except EOFError:
                 return 0
             messages.append({"role": "user", "content": line})
-            reply = client.chat(messages, **_client_kwargs(args)).choices[0].text
+            reply = client.chat(messages, **request.sampling_kwargs()).choices[0].text
             print(f"model> {reply}")
             messages.append({"role": "assistant", "content": reply})
 
 
-def _client_args(p: argparse.ArgumentParser) -> None:
-    from tandem.security import add_security_args
-
-    p.add_argument("--address", default="127.0.0.1:50051")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append")
-    p.add_argument("--n", type=int, default=None)
-    p.add_argument("--logprobs", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print the whole response as JSON")
-    add_security_args(p, server=False, client=True)
+# -- the parser -----------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     from tandem.security import add_security_args
 
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "info"))
-    parser.add_argument("--log-format", default=os.environ.get("TANDEM_LOG_FORMAT", "json"), choices=["json", "console"])
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
+                        help="log level; debug also prints tracebacks of errors")
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
+                        help="log lines as JSON records or readable text; auto: console on a terminal, "
+                             "json otherwise")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="engine + frontend together")
-    serve.add_argument("--frontend-workers", type=int, default=1,
-                        help="frontend processes sharing the port (SO_REUSEPORT); metrics ports count up from --metrics-port")
-    serve.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
-                        help="frontend-engine transport: a Stream call per choice, or one multiplexed stream per engine")
-    serve.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
-    _engine_args(serve)
-    serve.add_argument("--host", default="0.0.0.0", help="frontend bind address")
-    serve.add_argument("--port", type=int, default=50051, help="frontend port")
-    serve.add_argument("--engine-host", default="127.0.0.1", help="engine bind address (private by default)")
-    serve.add_argument("--engine-port", type=int, default=50052)
-    serve.add_argument("--tokenizer", default=None)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--default-max-tokens", type=int, default=256)
-    serve.add_argument("--drain-timeout", type=float, default=30.0)
-    add_security_args(serve)  # clients → frontend
+    options.add_engine_flags(serve)
+    options.add_flags(serve, ServerArgs, title="frontend server")
+    options.add_flags(serve, FrontendArgs, title="frontend", skip=("engine", "workers", "engine_connect_timeout"))
+    options.add_flags(serve, ServeArgs, {"frontend_workers": "auto"}, title="engine child and frontend workers")
+    options.add_flags(serve, EngineCoreArgs, title="engine core")
+    options.add_flags(serve, MetricsArgs, title="metrics (the frontend's)")
+    add_security_args(serve, admin=True)  # clients → frontend
     add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
-    _metrics_args(serve, engine_child=True)
     serve.set_defaults(fn=cmd_serve)
 
     engine = sub.add_parser("engine", help="the engine service alone")
-    engine.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
-    _engine_args(engine)
-    engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--port", type=int, default=50052)
-    engine.add_argument("--default-max-tokens", type=int, default=256)
-    engine.add_argument("--drain-timeout", type=float, default=30.0)
+    options.add_engine_flags(engine)
+    options.add_flags(engine, ServerArgs, ENGINE_SERVER_DEFAULTS, title="engine server")
+    options.add_flags(engine, MetricsArgs, title="metrics")
+    options.add_flags(engine, EngineCoreArgs, title="engine core")
     add_security_args(engine)
-    _metrics_args(engine)
     engine.set_defaults(fn=cmd_engine)
+    serve.set_defaults(engine_parser=engine)
 
     front = sub.add_parser("frontend", help="the frontend alone, in front of one or more engines")
-    front.add_argument("--workers", type=int, default=1,
-                        help="frontend processes sharing the port (SO_REUSEPORT); metrics ports count up from --metrics-port")
-    front.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
-                        help="frontend-engine transport: a Stream call per choice, or one multiplexed stream per engine")
-    front.add_argument("--enable-reflection", action="store_true", help="serve grpc.reflection (off by default)")
-    front.add_argument("--host", default="0.0.0.0")
-    front.add_argument("--port", type=int, default=50051)
-    front.add_argument("--engine", action="append", default=None, help="engine address; repeat for replicas")
-    front.add_argument("--tokenizer", default=None, help="model directory with the tokenizer (default: the engine's)")
-    front.add_argument("--served-model-name", default=None)
-    front.add_argument("--default-max-tokens", type=int, default=256)
-    front.add_argument("--drain-timeout", type=float, default=30.0)
-    add_security_args(front)  # clients → frontend
+    options.add_flags(front, ServerArgs, title="frontend server")
+    options.add_flags(front, FrontendArgs, title="frontend")
+    options.add_flags(front, MetricsArgs, title="metrics")
+    add_security_args(front, admin=True)  # clients → frontend
     add_security_args(front, "engine-", server=False, client=True)  # frontend → engines
-    _metrics_args(front)
     front.set_defaults(fn=cmd_frontend)
 
     gen = sub.add_parser("generate", help="complete a prompt")
-    gen.add_argument("prompt")
-    gen.add_argument("--stream", action="store_true")
-    _client_args(gen)
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    options.add_flags(gen, ClientArgs)
+    add_security_args(gen, server=False, client=True)
     gen.set_defaults(fn=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat with the served model (interactive without a message)")
-    chat.add_argument("message", nargs="?")
-    chat.add_argument("--system", default=None)
-    _client_args(chat)
+    chat.add_argument("message", nargs="?", help="one message to answer (omit for an interactive chat)")
+    chat.add_argument("--system", default=None, help="system message")
+    options.add_flags(chat, ClientArgs)
+    add_security_args(chat, server=False, client=True)
     chat.set_defaults(fn=cmd_chat)
 
     from tandem.bench.cli import add_bench_parser
 
     add_bench_parser(sub)  # tandem bench roofline|throughput|serve|report
+    options.finish_parser(parser)
     return parser
 
 
+# -- errors: one line, or one JSON record ---------------------------------------------------------
+
+
+def _report_line(args, message: str, **fields) -> None:
+    """One error line on stderr: plain text, or one JSON record with --log-format json."""
+    command = getattr(args, "command", None) or "tandem"
+    if getattr(args, "log_format", "console") == "json":
+        from datetime import datetime, timezone
+
+        stamp = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+        sys.stderr.write(json.dumps({"event": "error", "level": "error", "timestamp": stamp, "command": command,
+                                     "error": message, **fields}) + "\n")
+    else:
+        sys.stderr.write(f"tandem {command}: error: {message}\n")
+    sys.stderr.flush()
+
+
+def _debug(args) -> bool:
+    return getattr(args, "log_level", "info") == "debug"
+
+
+def _fail(args, exc: BaseException, message: str, code: int, **fields) -> int:
+    if _debug(args):
+        import traceback
+
+        traceback.print_exception(exc)
+    _report_line(args, message, **fields)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "frontend" and not args.engine:
-        args.engine = ["127.0.0.1:50052"]
+    args = options.parse_args(build_parser(), argv)
+    if args.log_format == "auto":
+        args.log_format = "console" if sys.stderr.isatty() else "json"
     from tandem.logging_setup import configure_logging
 
     configure_logging(args.log_level, json=args.log_format == "json")
-    return args.fn(args) or 0
+    import grpc
+
+    from tandem.readiness import ServerNotReady
+
+    server_command = args.command in ("serve", "engine", "frontend")
+    try:
+        return args.fn(args) or 0
+    except StartupError as exc:
+        return _fail(args, exc, str(exc), 2, flag=exc.flag, value=str(exc.value))
+    except ServerNotReady as exc:
+        return _fail(args, exc, str(exc), 3, address=getattr(args, "address", ""))
+    except grpc.RpcError as exc:
+        code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+        details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
+        where = getattr(args, "address", "")
+        return _fail(args, exc, f"the server at {where} answered {code}: {details.splitlines()[0] if details else ''}",
+                     4, status=code)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line for the user; the traceback with --log-level debug
+        rc = _fail(args, exc, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", 1)
+        if server_command:
+            # gRPC's asyncio objects complain when collected after their loop closed; the error
+            # has been reported, so leave without that noise.
+            sys.stdout.flush()
+            os._exit(rc)
+        return rc
 
 
 if __name__ == "__main__":

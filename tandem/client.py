@@ -79,6 +79,7 @@ class TandemClient:
             if credentials is not None
             else grpc.insecure_channel(address, options=options)
         )
+        self.address = address
         self.stub = frontend_pb2_grpc.FrontendStub(self.channel)
         self.metadata = metadata
 
@@ -90,6 +91,13 @@ class TandemClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Blocks until the frontend is ready (as `tandem chat` does); raises
+        `tandem.readiness.ServerNotReady` with a one-line reason otherwise."""
+        from tandem.readiness import wait_until_ready
+
+        wait_until_ready(self.channel, self.address, timeout)
 
     def generate(self, prompt: str | None = None, timeout: float | None = None, **kwargs) -> frontend_pb2.GenerateResponse:
         return self.stub.Generate(build_request(prompt=prompt, **kwargs), timeout=timeout, metadata=self.metadata)

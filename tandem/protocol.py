@@ -8,18 +8,30 @@ Every error names the offending field so a client can fix its request.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from google.protobuf import json_format, struct_pb2
 
-from tandem.engine_service.sequence import FinishReason, SamplingParams
+from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
 from tandem.v1 import common_pb2
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_SEQUENCES = 64
 MAX_STOP_SEQUENCE_LEN = 64
-MAX_SEED = 2**63 - 1
+# Choices per request (`n`). With a seed, choice i samples with seed + i.
+MAX_CHOICES = 16
+# The largest seed: choice i of n <= MAX_CHOICES uses seed + i, which must still fit the wire's
+# int64, so the range stops MAX_CHOICES short of 2**63 (seed + 15 <= 2**63 - 1).
+MAX_SEED = 2**63 - MAX_CHOICES
+# Temperatures below this are greedy: dividing logits by a smaller number overflows float32
+# (1e-38 makes every logit inf, softmax NaN, and the sampler then picks token 0 forever).
+TEMPERATURE_EPSILON = 1e-5
+# repetition_penalty divides positive logits and multiplies negative ones; outside this range
+# the products overflow or lose every token's ordering, so it is refused.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 class InvalidRequest(ValueError):
@@ -38,6 +50,13 @@ class Limits:
     max_model_len: int
     default_max_tokens: int = 256
     kv_capacity_tokens: int | None = None  # the whole KV pool; one request must fit in it
+    # The model's sampling defaults (tandem.generation_defaults.GenerationDefaults), applied by
+    # the engine to fields a request leaves unset; the frontend validates the request as sent.
+    sampling_defaults: object | None = None
+
+
+def _f32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def _finite(field: str, value: float) -> float:
@@ -59,6 +78,8 @@ def sampling_from_proto(
     stop_token_sequences: list[list[int]] | None = None,
 ) -> SamplingParams:
     """Validates `msg` against `limits` and fills defaults; raises InvalidRequest."""
+    if limits.sampling_defaults is not None:
+        msg = limits.sampling_defaults.fill(msg)
     p = SamplingParams()
     room = limits.max_model_len - num_prompt_tokens
     if num_prompt_tokens < 1:
@@ -90,6 +111,8 @@ def sampling_from_proto(
         p.temperature = _finite("temperature", msg.temperature)
         if p.temperature < 0:
             raise InvalidRequest("temperature", "must be >= 0")
+        if p.temperature < TEMPERATURE_EPSILON:
+            p.temperature = 0.0  # greedy, as the arithmetic would be without overflowing
     if msg.HasField("top_p"):
         p.top_p = _finite("top_p", msg.top_p)
         if not 0 < p.top_p <= 1:
@@ -104,7 +127,7 @@ def sampling_from_proto(
             raise InvalidRequest("min_p", "must be in [0, 1]")
     if msg.HasField("seed"):
         if not 0 <= msg.seed <= MAX_SEED:
-            raise InvalidRequest("seed", "must be >= 0")
+            raise InvalidRequest("seed", f"must be in [0, {MAX_SEED}] (2^63 - {MAX_CHOICES})")
         p.seed = msg.seed
     if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} entries")
@@ -117,8 +140,10 @@ def sampling_from_proto(
         p.logprobs = msg.logprobs
     if msg.HasField("repetition_penalty"):
         p.repetition_penalty = _finite("repetition_penalty", msg.repetition_penalty)
-        if p.repetition_penalty <= 0:
-            raise InvalidRequest("repetition_penalty", "must be > 0")
+        # The wire carries float32: compare with the bounds as float32 (0.01 arrives as 0.0099999998).
+        if not _f32(MIN_REPETITION_PENALTY) <= p.repetition_penalty <= _f32(MAX_REPETITION_PENALTY):
+            raise InvalidRequest("repetition_penalty",
+                                 f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]")
     for name in ("presence_penalty", "frequency_penalty"):
         if msg.HasField(name):
             value = _finite(name, getattr(msg, name))
@@ -157,6 +182,19 @@ FINISH_TO_PROTO = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
+
+
+def kv_transfer_from_proto(msg: struct_pb2.Struct) -> KVTransferParams:
+    """The request's kv_transfer_params Struct as typed parameters; raises InvalidRequest."""
+    try:
+        return KVTransferParams.from_dict(json_format.MessageToDict(msg))
+    except ValueError as exc:
+        raise InvalidRequest("kv_transfer_params", str(exc)) from None
+
+
+def kv_transfer_to_proto(params: KVTransferParams) -> struct_pb2.Struct:
+    """Typed KV transfer parameters back as the wire's Struct."""
+    return to_struct(params.to_dict())
 
 
 def to_struct(data: dict) -> struct_pb2.Struct:

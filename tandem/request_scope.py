@@ -32,15 +32,31 @@ def grpc_outcome(exc_type: type[BaseException] | None, context) -> str:
     """The status name a call ends with, judged from the exception leaving its handler."""
     if exc_type is None:
         return "OK"
+    remaining = context.time_remaining()
+    expired = remaining is not None and remaining <= 0
     if issubclass(exc_type, grpc.aio.AbortError):
         code = context.code()
-        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+        if isinstance(code, grpc.StatusCode):
+            return code.name
+        return "DEADLINE_EXCEEDED" if expired else "UNKNOWN"
     if issubclass(exc_type, (asyncio.CancelledError, GeneratorExit)):
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            return "DEADLINE_EXCEEDED"
+        return "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+    # Anything else is a handler failure, unless the call had already ended for the client:
+    # then the failure is the handler finding that out (aborting a call whose deadline passed
+    # raises), and the client's ending is the outcome.
+    if expired:
+        return "DEADLINE_EXCEEDED"
+    if _already_done(context):
         return "CANCELLED"
     return "UNKNOWN"  # what gRPC reports for an exception the handler did not map
+
+
+def _already_done(context) -> bool:
+    done = getattr(context, "done", None)
+    try:
+        return bool(done()) if callable(done) else False
+    except Exception:  # noqa: BLE001 - a context that cannot tell is taken as live
+        return False
 
 
 class RequestScope:

@@ -13,11 +13,17 @@ lets operators rotate a token without an outage. Tokens never appear in logs, re
 The grpc.health.v1 service is deliberately exempt from the token check: Kubernetes gRPC probes
 cannot send metadata, and health status reveals nothing worth protecting. TLS and mTLS still
 apply to it, because they are enforced by the transport before any RPC is dispatched.
+
+State-changing operations (Utility FLUSH_PREFIX_CACHE, START_PROFILE, STOP_PROFILE) need more
+than a client token: an admin token (`--admin-token-file` or `$TANDEM_ADMIN_AUTH_TOKEN`, accepted
+wherever a client token is) or the explicit `--allow-admin-commands`. `AccessPolicy` answers
+"who is calling" and "may they administer" for a servicer.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 import os
 import re
@@ -49,13 +55,14 @@ def _dest(prefix: str, name: str) -> str:
 
 
 def add_security_args(parser: argparse.ArgumentParser, prefix: str = "", server: bool = True,
-                      client: bool = False) -> None:
+                      client: bool = False, admin: bool = False) -> None:
     """Adds the TLS/mTLS and token flags of one hop, named `--{prefix}tls-...` and
     `--{prefix}auth-token...`.
 
     `server` adds what a listening service needs (its certificate, key and client CA);
     `client` adds what a caller needs (the CA to trust, its own certificate for mTLS). The token
-    flags are shared: a server accepts the token, a client sends it.
+    flags are shared: a server accepts the token, a client sends it. `admin` adds the admin
+    credential and `--allow-admin-commands` (the client-facing service only).
     """
     p = "--" + prefix
     what = f"{prefix.rstrip('-')} " if prefix else ""
@@ -85,6 +92,13 @@ def add_security_args(parser: argparse.ArgumentParser, prefix: str = "", server:
     g.add_argument(p + "auth-token-file", dest=_dest(prefix, "auth_token_file"), default=None,
                    help=f"file holding the {what}bearer token(s), whitespace-separated "
                         "(a server accepts each, a client sends the first)")
+    if admin:
+        g.add_argument(p + "admin-token-file", dest=_dest(prefix, "admin_token_file"), default=None,
+                       help="file holding admin bearer token(s): they may also flush the prefix cache, "
+                            f"profile, abort any request and read detailed health (or ${_env_name(prefix + 'admin-')})")
+        g.add_argument(p + "allow-admin-commands", dest=_dest(prefix, "allow_admin_commands"), action="store_true",
+                       help="let every caller flush the prefix cache and profile (off by default: those "
+                            "need an admin token)")
 
 
 def parse_tokens(text: str, source: str) -> tuple[str, ...]:
@@ -118,6 +132,8 @@ class SecurityOptions:
     tls_client_key: str | None = None
     tls_server_name: str | None = None
     tokens: tuple[str, ...] = field(default=(), repr=False)
+    admin_tokens: tuple[str, ...] = field(default=(), repr=False)
+    allow_admin_commands: bool = False
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -155,11 +171,23 @@ class SecurityOptions:
         else:
             tokens = parse_tokens(os.environ.get(_env_name(prefix), ""), f"${_env_name(prefix)}")
         both_sides = hasattr(args, _dest(prefix, "tls_cert")) and hasattr(args, _dest(prefix, "tls"))
+        admin_tokens: tuple[str, ...] = ()
+        if hasattr(args, _dest(prefix, "admin_token_file")):
+            admin_path = get("admin_token_file")
+            admin_env = _env_name(prefix + "admin-")
+            if admin_path:
+                admin_tokens = parse_tokens(_read(admin_path, f"--{prefix}admin-token-file").decode("ascii", "replace"),
+                                            f"--{prefix}admin-token-file")
+                if not admin_tokens:
+                    raise SecurityConfigError(f"--{prefix}admin-token-file: {admin_path} holds no token")
+            else:
+                admin_tokens = parse_tokens(os.environ.get(admin_env, ""), f"${admin_env}")
         return cls(
             tls_cert=get("tls_cert"), tls_key=get("tls_key"), tls_client_ca=get("tls_client_ca"),
             tls=bool(get("tls")) or (both_sides and bool(get("tls_cert"))),
             tls_ca=get("tls_ca"), tls_client_cert=get("tls_client_cert"), tls_client_key=get("tls_client_key"),
             tls_server_name=get("tls_server_name"), tokens=tokens,
+            admin_tokens=admin_tokens, allow_admin_commands=bool(get("allow_admin_commands")),
         )
 
     # -- what the options turn on --------------------------------------------------------------
@@ -182,7 +210,8 @@ class SecurityOptions:
     def summary(self, side: str) -> dict:
         """Loggable description (no secrets) of the `server` or `client` side."""
         if side == "server":
-            return {"tls": self.server_tls, "mtls": self.mtls, "token_auth": self.auth}
+            return {"tls": self.server_tls, "mtls": self.mtls, "token_auth": self.auth,
+                    "admin_token": bool(self.admin_tokens), "admin_commands_open": self.allow_admin_commands}
         return {"tls": self.client_tls, "client_cert": self.tls_client_cert is not None, "token": self.auth}
 
     # -- server side ---------------------------------------------------------------------------
@@ -198,7 +227,12 @@ class SecurityOptions:
         )
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [BearerTokenInterceptor(self.tokens)] if self.auth else []
+        # An admin token is also a client token (an admin may do whatever a client may).
+        return [BearerTokenInterceptor(self.tokens + self.admin_tokens)] if self.auth else []
+
+    def access_policy(self) -> "AccessPolicy":
+        return AccessPolicy(auth=self.auth, admin_tokens=self.admin_tokens,
+                            allow_admin_commands=self.allow_admin_commands)
 
     # -- client side ---------------------------------------------------------------------------
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
@@ -256,6 +290,49 @@ def engine_child_security(security: SecurityOptions) -> tuple[list[str], dict[st
         if value is not None:
             argv += [flag, value]
     return argv, {_env_name(""): " ".join(security.tokens)}
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """Who is calling a service, and whether they may administer it.
+
+    Identity: with token auth on, a caller is the token it presented (a digest, never the token)
+    plus its client certificate's common name under mTLS; with auth off every caller is the same
+    anonymous identity (None). Admin: `allow_admin_commands`, or a presented admin token.
+    """
+
+    auth: bool = False
+    admin_tokens: tuple[str, ...] = field(default=(), repr=False)
+    allow_admin_commands: bool = False
+
+    def caller_identity(self, context) -> str | None:
+        """A stable, non-secret name of the caller; None when callers are not told apart."""
+        if not self.auth:
+            return None
+        parts = []
+        token = _bearer(context.invocation_metadata())
+        if token is not None:
+            parts.append("token:" + hashlib.sha256(token.encode("latin-1", "replace")).hexdigest()[:24])
+        try:
+            names = (context.auth_context() or {}).get("x509_common_name") or []
+        except Exception:  # noqa: BLE001 - a context without an auth context (plaintext) names nothing
+            names = []
+        if names:
+            name = names[0]
+            parts.append("cert:" + (name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)))
+        return "|".join(parts) or "anonymous"
+
+    def is_admin(self, context) -> bool:
+        if self.allow_admin_commands:
+            return True
+        token = _bearer(context.invocation_metadata())
+        if token is None or not self.admin_tokens:
+            return False
+        candidate = token.encode("latin-1", "replace")
+        ok = False
+        for admin in self.admin_tokens:  # no early exit, as in BearerTokenInterceptor
+            ok |= hmac.compare_digest(candidate, admin.encode("ascii"))
+        return ok
 
 
 # -- interceptors ------------------------------------------------------------------------------------

@@ -123,8 +123,9 @@ def hf_tokenizer(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def serve(smollm2_dir):
-    """One `tandem serve` with the default model for the integration tests that share it."""
-    server, frontend, engine = start_serve()
+    """One `tandem serve` with the default model for the integration tests that share it
+    (admin commands open: the prefix-cache tests flush the cache between cases)."""
+    server, frontend, engine = start_serve(["--allow-admin-commands"])
     yield {"frontend": frontend, "engine": engine, "process": server}
     server.stop()
 

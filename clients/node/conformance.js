@@ -210,8 +210,9 @@ const CHECKS = {
   },
 
   /**
-   * (6) proto3 `optional` presence from JavaScript: an unset temperature is not sent (server
-   * default 1.0, seeded sampling), an explicit 0 is sent (greedy).
+   * (6) proto3 `optional` presence from JavaScript: an unset temperature is not sent (the
+   * model's default; 1.0 on a server started with `--generation-config none`, as the test does,
+   * so seeded sampling), an explicit 0 is sent (greedy).
    */
   async optional_presence(client) {
     const base = { prompt: STORY_PROMPT };

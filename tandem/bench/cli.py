@@ -1,4 +1,4 @@
-"""`tandem bench roofline|throughput|serve|soak|report`: argument parsing and the run wrapper.
+"""`tandem bench roofline|throughput|serve|overhead|transport|soak|report`: argument parsing and the run wrapper.
 
 Each measuring subcommand writes `<out>/<kind>-<model>-<timestamp>.json` (default out:
 `bench/results/`), even when parts of it failed (they are listed under `errors`), and prints
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.bench.results import DEFAULT_RESULTS_DIR
+from tandem.options import engine_argv, engine_config_from_args
 
 _CONFIG_SKIP = {"fn", "bench_fn", "command", "bench_command"}
 
@@ -55,6 +56,21 @@ def _count_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
 
 
+def tandem_cli_workers(text: str) -> int:
+    from tandem.cli import _workers_count
+
+    return _workers_count(text)
+
+
+def _stack(text: str) -> dict[str, Any]:
+    from tandem.bench.serve import stack_spec
+
+    try:
+        return stack_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for part in text.split(","):
@@ -83,9 +99,10 @@ def _key_value(text: str) -> tuple[str, Any]:
 
 
 def _common(p: argparse.ArgumentParser, model: str, max_seconds: float) -> None:
-    from tandem import cli as tandem_cli
+    from tandem.options import add_engine_flags
 
-    tandem_cli._engine_args(p)
+    # The engine flags `tandem serve` takes (one declaration: engine_service/config.py).
+    add_engine_flags(p)
     g = p.add_argument_group("benchmark output")
     g.add_argument("--out", default=DEFAULT_RESULTS_DIR, help="folder for the result JSON (default: %(default)s)")
     g.add_argument("--max-seconds", type=float, default=max_seconds,
@@ -142,10 +159,18 @@ def add_bench_parser(sub: Any) -> None:
                    help="tokenizer directory for the frontend (default: the model's, or a word-level stand-in)")
     g.add_argument("--no-in-process", action="store_true", help="skip the in-process comparison")
     g.add_argument("--warmup-requests", type=int, default=8)
-    g.add_argument("--engine-transport", choices=["stream", "mux"], default="stream",
-                   help="frontend-engine transport of the served side")
-    g.add_argument("--frontend-workers", type=_ints_one, default=1,
-                   help="frontend processes of the served stack on one port (tandem serve --frontend-workers)")
+    g.add_argument("--engine-transport", choices=["stream", "mux"], default="mux",
+                   help="frontend-engine transport of the served side (default: %(default)s, as tandem serve)")
+    g.add_argument("--frontend-workers", type=tandem_cli_workers, default="auto",
+                   help="frontend processes of the served stack on one port (tandem serve --frontend-workers); "
+                        "auto as tandem serve: one per 4 cores, 1 to 4")
+    g.add_argument("--engine-core", choices=["process", "thread"], default="process",
+                   help="where the served stack's engine core runs (tandem serve --engine-core; default: %(default)s)")
+    g.add_argument("--also-stack", dest="also_stacks", type=_stack, action="append", default=[],
+                   metavar="CORE:TRANSPORT:WORKERS",
+                   help="measure another served stack in the same call, e.g. thread:stream:1 (the stack "
+                        "before the engine-core process) or thread:mux:4; repeatable. The primary stack is "
+                        "--engine-core/--engine-transport/--frontend-workers")
     g.add_argument("--client-procs", type=_count_or_auto, default=1,
                    help="load-generator processes sharing each level's concurrency; 'auto' = min(4, cores // 4)")
     g = srv.add_argument_group("mixed workload (--mixed): long prompts arriving during decode traffic")
@@ -188,6 +213,17 @@ def add_bench_parser(sub: Any) -> None:
     g.add_argument("--gpu-step-ms", type=float, default=None,
                    help="anchor: a GPU step time at the same batch (e.g. the roofline decode step); with several --batches it applies to each, so time one batch size per anchor")
     ovh.set_defaults(fn=cmd_bench, bench_fn=_overhead)
+
+    tr = bsub.add_parser("transport", help="engine-core output transport: ZeroMQ IPC vs an OS pipe, per-step messages")
+    g = tr.add_argument_group("benchmark output")
+    g.add_argument("--out", default=DEFAULT_RESULTS_DIR, help="folder for the result JSON (default: %(default)s)")
+    g.add_argument("--max-seconds", type=float, default=300.0)
+    g = tr.add_argument_group("transport")
+    g.add_argument("--shapes", default="decode-256,decode-256-logprobs5,decode-64,decode-1",
+                   help="message shapes, comma-separated (default: %(default)s)")
+    g.add_argument("--pings", type=int, default=2000, help="round trips timed per point")
+    g.add_argument("--burst", type=int, default=5000, help="messages streamed back-to-back per point")
+    tr.set_defaults(fn=cmd_bench, bench_fn=_transport, model="core-protocol", device="cpu")
 
     rep = bsub.add_parser("report", help="write docs/benchmarks.md and its plot from bench/results/*.json")
     rep.add_argument("--results-dir", default=DEFAULT_RESULTS_DIR)
@@ -257,7 +293,7 @@ def _roofline(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: 
         batches=args.batches, contexts=args.contexts, prefill_shapes=args.prefill_shapes,
         copy_bytes=int(args.copy_gib * (1 << 30)), point_seconds=args.point_seconds, reps=args.reps,
         headroom_gib=args.headroom_gib, kv_aliasing=args.kv_aliasing)
-    roofline.run_roofline(record, tandem_cli._engine_config(args), options, deadline)
+    roofline.run_roofline(record, engine_config_from_args(args), options, deadline)
     return roofline.short_table
 
 
@@ -268,7 +304,7 @@ def _throughput(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline
         workload=args.workload, num_prompts=args.num_prompts, scale=args.scale, peer=not args.no_peer,
         peer_num_prompts=args.peer_num_prompts, warmup_requests=args.warmup_requests,
         peer_cb_config=dict(args.peer_cb) or None, engine_share=args.engine_share)
-    throughput.run_throughput(record, tandem_cli._engine_config(args), options, deadline)
+    throughput.run_throughput(record, engine_config_from_args(args), options, deadline)
     return throughput.short_table
 
 
@@ -283,8 +319,9 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         requests_per_level=args.requests_per_level, level_seconds=args.level_seconds,
         startup_timeout=args.startup_timeout, tokenizer=args.tokenizer, in_process=not args.no_in_process,
         warmup_requests=args.warmup_requests, engine_transport=args.engine_transport,
-        frontend_workers=args.frontend_workers, client_procs=args.client_procs)
-    serve.run_serve(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
+        frontend_workers=args.frontend_workers, client_procs=args.client_procs, engine_core=args.engine_core,
+        also_stacks=args.also_stacks)
+    serve.run_serve(record, engine_config_from_args(args), engine_argv(engine_config_from_args(args)), options, deadline)
     return serve.short_table
 
 
@@ -298,7 +335,7 @@ def _mixed(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         num_short=args.mixed_short_requests, short_prompt_len=args.mixed_short_prompt_len,
         short_interval_s=args.mixed_short_interval, run_seconds=args.mixed_seconds,
         startup_timeout=args.startup_timeout, tokenizer=args.tokenizer)
-    mixed.run_mixed(record, tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, deadline)
+    mixed.run_mixed(record, engine_config_from_args(args), engine_argv(engine_config_from_args(args)), options, deadline)
     return mixed.short_table
 
 
@@ -311,17 +348,28 @@ def _soak(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any)
         record.results["soak"] = soak.run_soak(args.address, options)
     else:
         record.results["soak"] = soak.run_soak_with_server(
-            tandem_cli._engine_config(args), tandem_cli._engine_flags(args), options, args.tokenizer,
+            engine_config_from_args(args), engine_argv(engine_config_from_args(args)), options, args.tokenizer,
             min(args.startup_timeout, max(deadline.remaining(), 1.0)))
     if not record.results["soak"]["passed"]:
         record.add_error("soak", RuntimeError("soak failed: unexpected outcomes, per-call violations or leaks"))
     return soak.short_table
 
 
+def _transport(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import transport
+
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in transport.SHAPES]
+    if unknown:
+        raise ValueError(f"unknown shapes {unknown}; known: {sorted(transport.SHAPES)}")
+    transport.run_transport(record, shapes, args.pings, args.burst)
+    return transport.short_table
+
+
 def _overhead(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import overhead
 
-    overhead.run_overhead(record, tandem_cli._engine_config(args), args.batches, args.context, args.steps,
+    overhead.run_overhead(record, engine_config_from_args(args), args.batches, args.context, args.steps,
                           args.gpu_step_ms)
     return overhead.short_table
 

@@ -168,7 +168,7 @@ def run_engine(
 
 def _prefix_hits(engine: Any) -> int | None:
     try:
-        return int(engine.stats()["prefix_cache_hits"])
+        return int(engine.stats().prefix_cache_hits)
     except Exception:  # noqa: BLE001 - stats are informative only
         return None
 

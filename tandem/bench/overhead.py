@@ -1,9 +1,10 @@
 """`tandem bench overhead`: host (CPU) time of one engine step with N running sequences.
 
-A step's host work is scheduling, building the step's inputs from the sequences, reading the
-sampled tokens back, stop checks and the scheduler's bookkeeping. To see that work alone, the
-engine runs with `HostOnlyRunner`, which does the real host-side input preparation
-(`prepare_host_inputs`) and returns ready logits instead of running a model; the sampler runs
+A step's host work is scheduling, building the step plan, applying it to the worker's rows and
+building the step's inputs from them, reading the sampled tokens back, stop checks and the
+scheduler's bookkeeping. To see that work alone, the engine runs with `HostOnlyRunner`, which
+takes the real host inputs (built by the worker from its rows) and returns ready logits instead
+of running a model; the sampler runs
 greedy over a small stand-in vocabulary so its (device-side on a GPU) arithmetic stays out of
 the figure. The anchor is a GPU step time measured elsewhere (passed with `--gpu-step-ms`, e.g.
 the roofline's decode step at the same batch): overhead below it can hide behind the GPU.
@@ -19,14 +20,14 @@ import torch
 
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.engine import LLMEngine
-from tandem.engine_service.input_batch import prepare_host_inputs
+from tandem.engine_service.input_batch import HostInputs
 from tandem.engine_service.sequence import SamplingParams
 
 STAND_IN_VOCAB = 1024
 
 
 class HostOnlyRunner:
-    """A model runner without a model: real host input preparation, precomputed logits."""
+    """A model runner without a model: takes the real host inputs, returns precomputed logits."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, vocab_size: int = STAND_IN_VOCAB):
         self.num_blocks = num_blocks
@@ -39,8 +40,7 @@ class HostOnlyRunner:
         g = torch.Generator().manual_seed(0)
         self._logits = torch.randn(4096, vocab_size, generator=g)
 
-    def execute(self, batch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        host = prepare_host_inputs(batch, self.block_size)
+    def forward(self, host: HostInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         return self._logits[: len(host.logits_indices)]
 
 
@@ -92,8 +92,8 @@ def run_overhead(record: Any, config: EngineConfig, batches: list[int], context:
                 point["host_over_gpu"] = point["host_ms_median"] / gpu_step_ms
             points.append(point)
     record.results["points"] = points
-    record.results["what"] = ("host time of LLMEngine.step() with a model-free runner: scheduling, host input "
-                              "preparation, greedy readback over a stand-in vocabulary, stop checks, bookkeeping")
+    record.results["what"] = ("host time of LLMEngine.step() with a model-free runner: scheduling, step plan, "
+                              "worker rows and host input preparation, greedy readback over a stand-in vocabulary, stop checks, bookkeeping")
 
 
 def short_table(results: dict[str, Any]) -> list[str]:

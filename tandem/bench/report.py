@@ -91,15 +91,17 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows), ""]
 
 
-def served_stack_of(data: dict[str, Any]) -> tuple[str, int, int]:
-    """(engine transport, frontend workers, client processes) of a serve run; runs from before
-    these were recorded ran the stream transport, one frontend and one client process."""
+def served_stack_of(data: dict[str, Any]) -> tuple[str, str, int, int]:
+    """(engine core, engine transport, frontend workers, client processes) of a serve run's
+    primary stack; runs from before these were recorded ran the engine core on a thread of the
+    gRPC process, the stream transport, one frontend and one client process."""
     if data.get("kind") != "serve":
-        return ("", 0, 0)
+        return ("", "", 0, 0)
     res = data.get("results", {})
     stack = res.get("served_stack") or {}
     options = res.get("options") or {}
-    return (stack.get("engine_transport") or options.get("engine_transport", "stream"),
+    return (stack.get("engine_core") or "thread",
+            stack.get("engine_transport") or options.get("engine_transport", "stream"),
             int(stack.get("frontend_workers") or 1), int(stack.get("client_procs") or 1))
 
 
@@ -200,26 +202,45 @@ def serve_rows(records: list[Record]) -> tuple[list[list[Any]], list[str]]:
     for path, data in latest_per_key(records, "serve"):
         env, res = data.get("env", {}), data.get("results", {})
         w = res.get("workload") or {}
-        transport, workers, procs = served_stack_of(data)
-        for level in res.get("levels", []):
-            s, p = level.get("served") or {}, level.get("in_process") or {}
-            done = f"{s.get('completed', 0)}/{level.get('num_requests', '?')}"
-            if s.get("timed_out"):
-                done += " (timed out)"
-            rows.append([
-                model_cell(data), device_cell(env), w.get("name", "?"), transport, workers, procs,
-                level.get("concurrency"), done,
-                _triple(s.get("ttft_ms")), _triple(s.get("tpot_ms"), ".2f"), _triple(s.get("itl_ms"), ".2f"),
-                _num(s.get("output_tokens_per_s")), _num(p.get("output_tokens_per_s")),
-                _num(level.get("ratio_output_tokens_per_s"), ".2f", "×"),
-                commit_cell(env), versions_cell(env), f"`{path.name}`",
-            ])
-        if res.get("grpc_ttft_overhead_ms_c1") is not None:
-            notes.append(f"- {model_cell(data)} on {device_cell(env)}, transport {transport}, {workers} frontend "
-                         f"worker(s), {procs} client process(es): "
-                         f"frontend + gRPC TTFT overhead at "
-                         f"concurrency 1 = {res['grpc_ttft_overhead_ms_c1']:.2f} ms (served p50 − in-process p50)")
+        core, transport, workers, procs = served_stack_of(data)
+        # The primary stack, then any stack measured beside it in the same call (--also-stack).
+        stacks = [(None, core, transport, workers, res.get("grpc_ttft_overhead_ms_c1"))]
+        for st in res.get("also_stacks", []):
+            stacks.append((st["label"], st["engine_core"], st["engine_transport"], st["frontend_workers"],
+                           (res.get("also_stack_overheads", {}).get(st["label"]) or {}).get("grpc_ttft_overhead_ms_c1")))
+        for label, core, transport, workers, overhead in stacks:
+            for level in res.get("levels", []):
+                slot = level if label is None else (level.get("served_stacks") or {}).get(label, {})
+                s, p = slot.get("served") or {}, level.get("in_process") or {}
+                done = f"{s.get('completed', 0)}/{level.get('num_requests', '?')}"
+                if s.get("timed_out"):
+                    done += " (timed out)"
+                rows.append([
+                    model_cell(data), device_cell(env), w.get("name", "?"), core, transport, workers, procs,
+                    level.get("concurrency"), done,
+                    _triple(s.get("ttft_ms")), _triple(s.get("tpot_ms"), ".2f"), _triple(s.get("itl_ms"), ".2f"),
+                    _num(s.get("output_tokens_per_s")), _num(p.get("output_tokens_per_s")),
+                    _num(slot.get("ratio_output_tokens_per_s"), ".2f", "×"), _num(s.get("client_cpu_fraction"), ".2f"),
+                    commit_cell(env), versions_cell(env), f"`{path.name}`",
+                ])
+            if overhead is not None:
+                notes.append(f"- {model_cell(data)} on {device_cell(env)}, engine core {core}, transport {transport}, "
+                             f"{workers} frontend worker(s), {procs} client process(es): "
+                             f"frontend + gRPC TTFT overhead at "
+                             f"concurrency 1 = {overhead:.2f} ms (served p50 − in-process p50)")
     return rows, notes
+
+
+def transport_rows(records: list[Record]) -> list[list[Any]]:
+    rows = []
+    for path, data in latest_per_key(records, "transport"):
+        env = data.get("env", {})
+        for p in (data.get("results") or {}).get("points", []):
+            rows.append([device_cell(env), p.get("shape"), p.get("transport"), p.get("bytes_per_message"),
+                         _num(p.get("encode_us")), _num(p.get("send_us_in_burst")),
+                         f"{_num(p.get('round_trip_us_p50'))} / {_num(p.get('round_trip_us_p99'))}",
+                         _num(p.get("messages_per_s"), ".0f"), commit_cell(env), f"`{path.name}`"])
+    return rows
 
 
 def _headline(data: dict[str, Any]) -> str:
@@ -236,6 +257,8 @@ def _headline(data: dict[str, Any]) -> str:
     if kind == "soak":
         soak = res.get("soak") or {}
         return f"{soak.get('calls', 0)} calls, {'pass' if soak.get('passed') else 'FAIL'}"
+    if kind == "transport":
+        return f"{len(res.get('points', []))} transport points"
     levels = [lv for lv in res.get("levels", []) if lv.get("served", {}).get("output_tokens_per_s")]
     return f"{len(levels)} levels"
 
@@ -337,7 +360,10 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
         "output lengths, EOS ignored) on the same weights and requests; serving is compared with "
         "the in-process engine on the same requests at the same concurrency.",
         "",
-        "A serving run is one served stack: the frontend-engine transport (`--engine-transport`), "
+        "A serving run has a primary served stack and any stacks measured beside it in the same call "
+        "(`--also-stack CORE:TRANSPORT:WORKERS`): the engine core's place (`--engine-core`: its own "
+        "process, or a thread of the engine's gRPC process as before the engine-core split; rows "
+        "from before it was recorded say thread), the frontend-engine transport (`--engine-transport`), "
         "the frontend processes sharing the port (`--frontend-workers`, SO_REUSEPORT) and the "
         "load-generator processes (`--client-procs`, `auto` = min(4, cores ÷ 4)), which split each "
         "level's concurrency and whose per-request records are merged into one set of statistics; "
@@ -354,6 +380,7 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
         "tandem bench throughput --model dummy:qwen3-0.6b --workload nanovllm",
         "tandem bench serve      --model dummy:qwen3-0.6b --concurrency 1,16,64,256",
         "tandem bench serve      --model dummy:qwen3-0.6b --engine-transport mux --frontend-workers 4 --client-procs 4",
+        "tandem bench serve      --model dummy:qwen3-0.6b --client-procs 4 --also-stack thread:stream:1 --also-stack thread:mux:4",
         "tandem bench report",
         "```",
         "",
@@ -374,12 +401,20 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
                     throughput_rows(records))
     rows, notes = serve_rows(records)
     lines += ["## Serving over gRPC (frontend + engine)", ""]
-    lines += _table(["model", "device", "workload", "transport", "frontend workers", "client procs", "concurrency",
-                     "completed", "TTFT ms p50 / p90 / p99",
+    lines += _table(["model", "device", "workload", "engine core", "transport", "frontend workers", "client procs",
+                     "concurrency", "completed", "TTFT ms p50 / p90 / p99",
                      "TPOT ms p50 / p90 / p99", "ITL ms p50 / p90 / p99", "out tok/s", "in-process out tok/s",
-                     "served ÷ in-process", "commit", "versions", "result"], rows)
+                     "served ÷ in-process", "busiest client CPU", "commit", "versions", "result"], rows)
     if notes:
         lines += [*notes, ""]
+    transport = transport_rows(records)
+    if transport:  # the engine core's output transport (`tandem bench transport`)
+        lines += ["## Engine-core output transport", "",
+                  "One `CoreOutputs` message per step sent from a process to a child that decodes it: what the "
+                  "sender (the engine core) pays per message when streaming, the round trip of one message, "
+                  "and the streaming rate.", ""]
+        lines += _table(["host", "shape", "transport", "bytes", "encode µs", "send µs (streaming)",
+                         "round trip µs p50 / p99", "messages/s", "commit", "result"], transport)
     lines += ["## Host overhead per engine step", "",
               "Host (CPU) time of `LLMEngine.step()` with a model-free runner (`tandem bench overhead`): "
               "scheduling, host input preparation, token readback, stop checks and bookkeeping; the "

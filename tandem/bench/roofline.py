@@ -3,11 +3,12 @@
 1. Ceilings: HBM bandwidth (a large device-to-device copy, bytes read + written) and the bf16
    matmul rate (8192^3 on random data), medians of CUDA-event-timed runs.
 2. The engine's own `ModelRunner` (dummy weights, the KV pool sized to what the sweep needs)
-   runs fake batches built directly on the paged cache: every sequence gets a consecutive
-   range of block ids covering its context, so no scheduler or block manager is involved.
+   runs fake batches built directly on the paged cache, driven as the engine drives it: a step
+   plan (`step_plan.StepPlan`) of new requests, each with a consecutive range of block ids
+   covering its context, applied to a `StepWorker`'s rows — no scheduler or block manager.
 3. Decode: one new token per sequence at each (batch, context) point, timed through
-   `ModelRunner.execute` (host metadata + forward + logits; CUDA-graph replay when the runner
-   does it). Floor = (weight bytes + KV bytes) / measured bandwidth (`accounting.py`).
+   `StepWorker.execute` (host inputs from the rows + forward + logits; CUDA-graph replay when
+   the runner does it). Floor = (weight bytes + KV bytes) / measured bandwidth (`accounting.py`).
 4. Prefill: one batch of fresh sequences (e.g. 8 x 1024 = 8k tokens); MFU = FLOPs / time /
    measured matmul rate.
 
@@ -120,26 +121,17 @@ def measure_matmul_rate(device: torch.device | str | None, n: int = 8192, dtype:
 # -- fake batches on the paged cache ---------------------------------------------------------------
 
 
-def _scheduled(seq: Any, num_new_tokens: int) -> Any:
-    try:
-        from tandem.engine_service.scheduler import ScheduledSeq
+def fake_plan(num_seqs: int, context: int, num_new_tokens: int, block_size: int, num_blocks: int,
+              vocab_size: int, rng: np.random.Generator, alias: bool = False, tag: str = "") -> tuple[Any, bool]:
+    """A step plan of `num_seqs` new requests of `context` tokens whose last `num_new_tokens`
+    are to be run (the rest counted as computed).
 
-        return ScheduledSeq(seq, num_new_tokens, True)
-    except ImportError:  # the runner reads the entries duck-typed (input_batch.ScheduledLike)
-        from types import SimpleNamespace
-
-        return SimpleNamespace(seq=seq, num_new_tokens=num_new_tokens, sample=True)
-
-
-def fake_batch(num_seqs: int, context: int, num_new_tokens: int, block_size: int, num_blocks: int,
-               vocab_size: int, rng: np.random.Generator, alias: bool = False) -> tuple[list[Any], bool]:
-    """`num_seqs` running sequences of `context` tokens whose last `num_new_tokens` are to be run.
-
-    Sequence i owns blocks `[i*n, (i+1)*n)` with n = ceil(context / block_size). Returns the
-    batch and whether blocks had to be shared (only with `alias`; otherwise a pool too small
+    Request i owns blocks `[i*n, (i+1)*n)` with n = ceil(context / block_size). Returns the
+    plan and whether blocks had to be shared (only with `alias`; otherwise a pool too small
     raises `ValueError`).
     """
-    from tandem.engine_service.sequence import SamplingParams, Sequence, SequenceStatus
+    from tandem.core_protocol import SamplingParams
+    from tandem.engine_service.step_plan import NewRequest, StepPlan
 
     per_seq = -(-context // block_size)
     if per_seq > num_blocks:
@@ -148,24 +140,61 @@ def fake_batch(num_seqs: int, context: int, num_new_tokens: int, block_size: int
     if aliased and not alias:
         raise ValueError(f"{num_seqs} x {context} tokens need {num_seqs * per_seq} blocks; the pool has {num_blocks}")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    batch = []
+    requests = []
     for i in range(num_seqs):
-        seq = Sequence(f"roofline-{i}", rng.integers(0, vocab_size, size=context).tolist(), params)
-        seq.status = SequenceStatus.RUNNING
-        seq.num_computed_tokens = context - num_new_tokens
         first = (i * per_seq) % num_blocks if aliased else i * per_seq
         if first + per_seq > num_blocks:
             first = 0
-        seq.block_table = list(range(first, first + per_seq))
-        batch.append(_scheduled(seq, num_new_tokens))
-    return batch, aliased
+        requests.append(NewRequest(
+            request_id=f"roofline{tag}-{i}",
+            token_ids=rng.integers(0, vocab_size, size=context).tolist(),
+            num_prompt_tokens=context,
+            sampling_params=params,
+            eos_token_ids=[],
+            block_ids=[list(range(first, first + per_seq))],
+            num_computed_tokens=context - num_new_tokens,
+            num_scheduled_tokens=num_new_tokens,
+            sample=True,
+        ))
+    return StepPlan(step_id=0, new_requests=requests), aliased
+
+
+class PlannedBatch:
+    """A fake plan applied to a worker's rows for one measurement point; `release()` drops
+    the rows again (with a plan of drops, as the engine would)."""
+
+    def __init__(self, worker: Any, plan: Any) -> None:
+        from tandem.engine_service.step_plan import StepPlan
+
+        self.worker = worker
+        self.batch = worker.rows.apply(plan)
+        self._drop = StepPlan(step_id=plan.step_id + 1, finished_req_ids=plan.batch_request_ids())
+
+    def execute(self) -> torch.Tensor:
+        return self.worker.execute(self.batch)
+
+    def host_inputs(self) -> Any:
+        from tandem.engine_service.worker_rows import host_inputs_from_rows
+
+        return host_inputs_from_rows(self.batch, self.worker.runner.block_size)
+
+    def release(self) -> None:
+        self.worker.rows.apply(self._drop)
+
+
+def make_worker(runner: Any) -> Any:
+    """The engine's worker over `runner` (its sampler is never called here)."""
+    from tandem.engine_service.sampler import Sampler
+    from tandem.engine_service.worker import StepWorker
+
+    return StepWorker(runner, Sampler(vocab_size=runner.vocab_size))
 
 
 # -- the runner ----------------------------------------------------------------------------------
 
 
 def describe_runner(runner: Any) -> dict[str, Any]:
-    """What `ModelRunner.execute` runs: attention backend and the captured CUDA graphs, if any."""
+    """What `StepWorker.execute` runs: attention backend and the captured CUDA graphs, if any."""
     backend = getattr(runner, "attention_backend", None)
     if backend is None:
         for module in runner.model.modules():
@@ -175,8 +204,8 @@ def describe_runner(runner: Any) -> dict[str, Any]:
                 break
     graphs = getattr(runner, "cuda_graphs", None)
     return {
-        "timed": "ModelRunner.execute(batch): host inputs + (graph replay | eager forward) + float32 logits; "
-                 "no sampling",
+        "timed": "StepWorker.execute(batch): host inputs from the worker's rows + (graph replay | eager forward) "
+                 "+ float32 logits; no sampling",
         "runner_class": f"{type(runner).__module__}.{type(runner).__qualname__}",
         "model_class": type(runner.model).__name__,
         "attention_backend": backend,
@@ -188,20 +217,18 @@ def describe_runner(runner: Any) -> dict[str, Any]:
     }
 
 
-def decode_path(runner: Any, items: list[Any]) -> str:
+def decode_path(runner: Any, planned: PlannedBatch) -> str:
     """`cuda graph replay` when the runner will replay a graph for this batch, else `eager`."""
     graphs = getattr(runner, "cuda_graphs", None)
     if graphs is None:
         return "eager"
     try:
-        from tandem.engine_service.input_batch import prepare_host_inputs
-
-        return "cuda graph replay" if graphs.can_run(prepare_host_inputs(items, runner.block_size)) else "eager"
+        return "cuda graph replay" if graphs.can_run(planned.host_inputs()) else "eager"
     except Exception:  # noqa: BLE001 - informative only
         return "unknown"
 
 
-def replay_only(runner: Any, items: list[Any]) -> Callable[[], None] | None:
+def replay_only(runner: Any, planned: PlannedBatch) -> Callable[[], None] | None:
     """The bare `graph.replay` of this batch's bucket (buffers filled by one `execute` first):
     the step's GPU time without host input preparation. None without a captured graph."""
     graphs = getattr(runner, "cuda_graphs", None)
@@ -210,13 +237,13 @@ def replay_only(runner: Any, items: list[Any]) -> Callable[[], None] | None:
     try:
         from tandem.engine_service.cuda_graphs import bucket_for
 
-        bucket = bucket_for(len(items), list(graphs.captured_sizes))
+        bucket = bucket_for(len(planned.batch), list(graphs.captured_sizes))
         graph = getattr(graphs, "_graphs", {}).get(bucket)
     except Exception:  # noqa: BLE001 - the figure is optional
         return None
     if graph is None:
         return None
-    runner.execute(items)
+    planned.execute()
     return graph.replay
 
 
@@ -302,6 +329,7 @@ def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptio
         return
     dtype_bytes = _dtype_bytes(runner.dtype)
     rng = np.random.default_rng(options.seed)
+    worker = make_worker(runner)
 
     # Time for the prefill points is set aside, so a slow decode sweep cannot starve them.
     reserve = len(options.prefill_shapes) * options.point_seconds
@@ -309,11 +337,11 @@ def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptio
     res["decode"] = []
     for context in options.contexts:
         for batch in options.batches:
-            res["decode"].append(_decode_point(runner, shape, dtype_bytes, batch, context, bandwidth, options,
+            res["decode"].append(_decode_point(worker, shape, dtype_bytes, batch, context, bandwidth, options,
                                                decode_deadline, rng, max_len, record))
     res["prefill"] = []
     for num_seqs, seq_len in options.prefill_shapes:
-        res["prefill"].append(_prefill_point(runner, shape, num_seqs, seq_len, matmul_rate, options, deadline, rng,
+        res["prefill"].append(_prefill_point(worker, shape, num_seqs, seq_len, matmul_rate, options, deadline, rng,
                                              max_len, record))
     if any(p.get("status") == "skipped" and p.get("reason", "").startswith("time") for p in
            res["decode"] + res["prefill"]):
@@ -324,7 +352,7 @@ def _point_base(**kw: Any) -> dict[str, Any]:
     return {"status": "ok", **kw}
 
 
-def _decode_point(runner: Any, shape: DecoderConfig, dtype_bytes: int, batch: int, context: int,
+def _decode_point(worker: Any, shape: DecoderConfig, dtype_bytes: int, batch: int, context: int,
                   bandwidth: float | None, options: RooflineOptions, deadline: Deadline, rng: np.random.Generator,
                   max_len: int, record: BenchRecord) -> dict[str, Any]:
     weight_bytes = decode_weight_bytes(shape, batch, dtype_bytes)
@@ -336,29 +364,40 @@ def _decode_point(runner: Any, shape: DecoderConfig, dtype_bytes: int, batch: in
         return {**point, "status": "skipped", "reason": f"context {context} > max_model_len {max_len}"}
     if deadline.remaining() < 1.0:
         return {**point, "status": "skipped", "reason": "time budget (--max-seconds) spent"}
+    runner = worker.runner
     try:
-        items, aliased = fake_batch(batch, context, 1, runner.block_size, runner.num_blocks, runner.vocab_size, rng,
-                                    alias=options.kv_aliasing)
+        plan, aliased = fake_plan(batch, context, 1, runner.block_size, runner.num_blocks, runner.vocab_size, rng,
+                                  alias=options.kv_aliasing, tag=f"-d{batch}x{context}")
     except ValueError as exc:
         need = batch * context * kv_bytes_per_token(shape, dtype_bytes)
         return {**point, "status": "skipped",
                 "reason": f"KV does not fit: {exc} ({need / 1e9:.1f} GB of KV); --kv-aliasing runs it with shared blocks"}
+    planned = PlannedBatch(worker, plan)
+    try:
+        return _time_decode(runner, planned, point, aliased, batch, context, weight_bytes + kv_bytes, options,
+                            deadline, record)
+    finally:
+        planned.release()
+
+
+def _time_decode(runner: Any, planned: PlannedBatch, point: dict[str, Any], aliased: bool, batch: int, context: int,
+                 step_bytes: int, options: RooflineOptions, deadline: Deadline, record: BenchRecord) -> dict[str, Any]:
     point["kv_aliased"] = aliased
-    point["path"] = decode_path(runner, items)
+    point["path"] = decode_path(runner, planned)
     budget = min(options.point_seconds, max(deadline.remaining(), 0.5))
     try:
-        t = cuda_time(lambda: runner.execute(items), runner.device, warmup=3, reps=options.reps, budget_s=budget)
+        t = cuda_time(planned.execute, runner.device, warmup=3, reps=options.reps, budget_s=budget)
     except Exception as exc:  # noqa: BLE001 - one failing point must not end the sweep
         record.add_error(f"decode b={batch} ctx={context}", exc)
         _release_after_failure()
         return {**point, "status": "error", "error": f"{type(exc).__name__}: {exc}"}
     point.update(t.as_dict())
     point["tokens_per_s"] = batch / (t.median_ms / 1e3)
-    point["achieved_bytes_per_s"] = (weight_bytes + kv_bytes) / (t.median_ms / 1e3)
+    point["achieved_bytes_per_s"] = step_bytes / (t.median_ms / 1e3)
     if "floor_ms" in point:
         point["floor_pct"] = 100.0 * point["floor_ms"] / t.median_ms
     try:
-        replay = replay_only(runner, items)
+        replay = replay_only(runner, planned)
         if replay is not None:
             r = cuda_time(replay, runner.device, warmup=2, reps=options.reps, budget_s=budget / 2)
             point["replay_only_ms"] = r.median_ms
@@ -371,7 +410,7 @@ def _decode_point(runner: Any, shape: DecoderConfig, dtype_bytes: int, batch: in
     return point
 
 
-def _prefill_point(runner: Any, shape: DecoderConfig, num_seqs: int, seq_len: int, matmul_rate: float | None,
+def _prefill_point(worker: Any, shape: DecoderConfig, num_seqs: int, seq_len: int, matmul_rate: float | None,
                    options: RooflineOptions, deadline: Deadline, rng: np.random.Generator, max_len: int,
                    record: BenchRecord) -> dict[str, Any]:
     flops = prefill_flops(shape, [seq_len] * num_seqs)
@@ -381,15 +420,21 @@ def _prefill_point(runner: Any, shape: DecoderConfig, num_seqs: int, seq_len: in
         return {**point, "status": "skipped", "reason": f"sequence {seq_len} > max_model_len {max_len}"}
     if deadline.remaining() < 1.0:
         return {**point, "status": "skipped", "reason": "time budget (--max-seconds) spent"}
+    runner = worker.runner
+    planned = None
     try:
-        items, _ = fake_batch(num_seqs, seq_len, seq_len, runner.block_size, runner.num_blocks, runner.vocab_size,
-                              rng, alias=False)
-        t = cuda_time(lambda: runner.execute(items), runner.device, warmup=2, reps=options.reps,
+        plan, _ = fake_plan(num_seqs, seq_len, seq_len, runner.block_size, runner.num_blocks, runner.vocab_size,
+                            rng, alias=False, tag=f"-p{num_seqs}x{seq_len}")
+        planned = PlannedBatch(worker, plan)
+        t = cuda_time(planned.execute, runner.device, warmup=2, reps=options.reps,
                       budget_s=min(options.point_seconds, max(deadline.remaining(), 0.5)))
     except Exception as exc:  # noqa: BLE001
         record.add_error(f"prefill {num_seqs}x{seq_len}", exc)
         _release_after_failure()
         return {**point, "status": "error", "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if planned is not None:
+            planned.release()
     seconds = t.median_ms / 1e3
     point.update(t.as_dict())
     point["flops_per_s"] = flops["total"] / seconds

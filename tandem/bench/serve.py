@@ -13,7 +13,11 @@ in-process engine on the same requests.
    many processes and their records are merged (`serve_client.py`); with `frontend_workers` > 1
    the served stack runs that many frontend processes on its port, and the client spreads its
    connections over them.
-3. After the server stops, the same requests run through an in-process `LLMEngine` at the
+   With `also_stacks`, further served stacks (engine core process/thread, transport, frontend
+   workers) run the same levels in the same call, one `tandem serve` after another; their
+   figures go under each level's `served_stacks[<label>]` beside the primary stack's `served`,
+   so old and new stacks are compared on one host in one lease.
+3. After the servers stop, the same requests run through an in-process `LLMEngine` at the
    same concurrency (`engine_run.py`). ratio = gRPC output tok/s / in-process output tok/s;
    the gRPC TTFT overhead at concurrency 1 = served p50 TTFT - in-process p50 TTFT.
 
@@ -64,6 +68,8 @@ class ServeOptions:
     engine_transport: str = "stream"  # frontend-engine transport of the served side
     frontend_workers: int = 1  # `tandem serve --frontend-workers`
     client_procs: int | str = 1  # load-generator processes, or "auto" (auto_client_procs())
+    engine_core: str = "process"  # `tandem serve --engine-core` of the primary stack
+    also_stacks: list[dict[str, Any]] = field(default_factory=list)  # further stacks: stack_spec() dicts
 
     def resolved_client_procs(self) -> int:
         return auto_client_procs() if self.client_procs == "auto" else max(1, int(self.client_procs))
@@ -72,6 +78,21 @@ class ServeOptions:
         if self.requests_per_level is not None:
             return [self.requests_per_level for _ in self.concurrencies]
         return [max(2 * c, 16) for c in self.concurrencies]
+
+
+def stack_spec(text: str) -> dict[str, Any]:
+    """`CORE:TRANSPORT:WORKERS` (e.g. `thread:stream:1`) as a served-stack dict; raises ValueError."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in ("process", "thread") or parts[1] not in ("stream", "mux"):
+        raise ValueError(f"expected CORE:TRANSPORT:WORKERS with CORE process|thread and TRANSPORT stream|mux, got {text!r}")
+    workers = int(parts[2])
+    if workers < 1:
+        raise ValueError(f"frontend workers must be >= 1, got {text!r}")
+    return {"engine_core": parts[0], "engine_transport": parts[1], "frontend_workers": workers}
+
+
+def stack_label(stack: dict[str, Any]) -> str:
+    return f"{stack['engine_core']}:{stack['engine_transport']}:{stack['frontend_workers']}"
 
 
 # -- tokenizer and server ------------------------------------------------------------------------
@@ -185,10 +206,12 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
     res = record.results
     res["options"] = dict(vars(options))
     # The served stack's shape, read by `tandem bench report` (runs without it: stream, 1, 1).
-    res["served_stack"] = {"engine_transport": options.engine_transport,
-                           "frontend_workers": options.frontend_workers,
+    primary = {"engine_core": options.engine_core, "engine_transport": options.engine_transport,
+               "frontend_workers": options.frontend_workers}
+    res["served_stack"] = {**primary,
                            "client_procs": options.resolved_client_procs(),
                            "client_procs_requested": options.client_procs}
+    res["also_stacks"] = [{**st, "label": stack_label(st)} for st in options.also_stacks]
     resolved = resolve_model(engine_config.model.model, engine_config.model.cache_dir)
     vocab = int(resolved.config["vocab_size"])
     max_len = engine_config.model.max_model_len or resolved.config.get("max_position_embeddings")
@@ -214,9 +237,12 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
             res["tokenizer"] = "word-level stand-in (token i <-> 't<i>') covering the model's vocabulary"
         else:
             res["tokenizer"] = tokenizer
-        serve_args = engine_flags + ["--tokenizer", tokenizer, "--engine-transport", options.engine_transport,
-                                     "--frontend-workers", str(options.frontend_workers)]
-        _served_levels(record, serve_args, slices, warm, options, deadline, log_dir or tmp)
+        for stack in [primary, *options.also_stacks]:
+            serve_args = engine_flags + ["--tokenizer", tokenizer, "--engine-transport", stack["engine_transport"],
+                                         "--frontend-workers", str(stack["frontend_workers"]),
+                                         "--engine-core", stack["engine_core"]]
+            label = None if stack is primary else stack_label(stack)
+            _served_levels(record, serve_args, slices, warm, options, deadline, log_dir or tmp, stack, label)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if options.in_process:
@@ -224,40 +250,53 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
     _compare(res)
 
 
+def _slot(level: dict[str, Any], side: str, label: str | None) -> dict[str, Any]:
+    """Where a level's figures for `side` go: the level itself, or its served_stacks[label]."""
+    return level if label is None else level.setdefault("served_stacks", {}).setdefault(label, {})
+
+
 def _levels_within_budget(record: BenchRecord, levels: list[dict[str, Any]], slices: list[list[BenchRequest]],
-                          side: str, deadline: Deadline):
+                          side: str, deadline: Deadline, label: str | None = None):
     """Yields (level, its requests, concurrency) while time is left; marks the rest skipped."""
     for level, requests in zip(levels, slices):
         if deadline.remaining() < 1.0:
-            level[side] = {"status": "skipped", "reason": "time budget (--max-seconds) spent"}
+            _slot(level, side, label)[side] = {"status": "skipped", "reason": "time budget (--max-seconds) spent"}
             record.incomplete = True
             continue
         yield level, requests, level["concurrency"]
 
 
 def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list[BenchRequest]],
-                   warm: list[BenchRequest], options: ServeOptions, deadline: Deadline, log_dir: Path) -> None:
+                   warm: list[BenchRequest], options: ServeOptions, deadline: Deadline, log_dir: Path,
+                   stack: dict[str, Any], label: str | None = None) -> None:
+    """One served stack's levels: the primary (`label` None) fills `level["served"]` and
+    `res["server"]`; another fills `level["served_stacks"][label]` and `res["servers"][label]`."""
     res = record.results
     levels = res["levels"]
     server = None
-    with record.stage("serve_start"):
-        log_path = Path(log_dir) / "tandem-serve.log"
+    tag = "" if label is None else f"[{label}]"
+    workers = stack["frontend_workers"]
+    servers = res if label is None else res.setdefault("servers", {})
+    key = "server" if label is None else label
+    with record.stage(f"serve_start{tag}"):
+        log_path = Path(log_dir) / f"tandem-serve{'' if label is None else '-' + label.replace(':', '-')}.log"
         server = ServeProcess(serve_args, log_path)
         started = time.monotonic()
         startup_s = server.wait_serving(min(options.startup_timeout, max(deadline.remaining(), 1.0)))
         # The extra workers load what the first one loaded, so they follow it within seconds.
-        pids = server.wait_workers(options.frontend_workers, min(WORKERS_TIMEOUT_S, max(deadline.remaining(), 1.0)))
-        res["server"] = {"argv": server.argv[1:], "startup_s": startup_s,
-                         "frontend_workers": {"requested": options.frontend_workers, "reached": len(pids),
-                                              "pids": pids, "all_listening_s": round(time.monotonic() - started, 3)}}
-        if len(pids) < options.frontend_workers:
+        pids = server.wait_workers(workers, min(WORKERS_TIMEOUT_S, max(deadline.remaining(), 1.0)))
+        servers[key] = {"argv": server.argv[1:], "startup_s": startup_s, "stack": dict(stack),
+                        "frontend_workers": {"requested": workers, "reached": len(pids),
+                                             "pids": pids, "all_listening_s": round(time.monotonic() - started, 3)}}
+        if len(pids) < workers:
             log.warning("not every frontend worker answered; the levels use those that did",
-                        requested=options.frontend_workers, reached=len(pids))
-    if server is None or "server" not in res:
+                        requested=workers, reached=len(pids))
+    if server is None or key not in servers:
         if server is not None:
             server.stop()
         return
-    worker_pids = res["server"]["frontend_workers"]["pids"]
+    info = servers[key]
+    worker_pids = info["frontend_workers"]["pids"]
     clients = None
     try:
         procs = options.resolved_client_procs()
@@ -266,30 +305,32 @@ def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list
                 clients = ClientProcesses(server.address, procs)
             if clients is None:
                 return
-        with record.stage("serve_warmup"):
+        with record.stage(f"serve_warmup{tag}"):
             t0 = time.perf_counter()
             w = run_level(server.address, warm, max(min(len(warm), 8), procs),
                           deadline.sub(seconds=options.level_seconds).remaining(), prefix="warmup",
                           worker_pids=worker_pids, clients=clients)
-            res["server"]["warmup"] = {"seconds": round(time.perf_counter() - t0, 3), "completed": w["completed"]}
-        for level, requests, c in _levels_within_budget(record, levels, slices, "served", deadline):
-            with record.stage(f"serve_c{c}"):
-                budget = deadline.sub(seconds=options.level_seconds, fraction=0.5 if options.in_process else None)
+            info["warmup"] = {"seconds": round(time.perf_counter() - t0, 3), "completed": w["completed"]}
+        # Every stack and the in-process side share what is left of the budget.
+        sides = 1 + len(options.also_stacks) + (1 if options.in_process else 0)
+        for level, requests, c in _levels_within_budget(record, levels, slices, "served", deadline, label):
+            with record.stage(f"serve_c{c}{tag}"):
+                budget = deadline.sub(seconds=options.level_seconds, fraction=1.0 / sides if sides > 1 else None)
                 before = _engine_counters(server.address)
-                level["served"] = run_level(server.address, requests, c, budget.remaining(), prefix=f"c{c}",
-                                            worker_pids=worker_pids, clients=clients)
-                level["served"]["engine"] = _engine_delta(before, _engine_counters(server.address),
-                                                          level["served"]["elapsed_s"])
-                record.incomplete |= level["served"]["timed_out"] or bool(level["served"].get("client_errors"))
-                log.info("serve level", concurrency=c, output_tok_s=round(level["served"]["output_tokens_per_s"], 1),
-                         ttft_p50_ms=level["served"]["ttft_ms"]["p50"])
+                served = run_level(server.address, requests, c, budget.remaining(), prefix=f"c{c}",
+                                   worker_pids=worker_pids, clients=clients)
+                served["engine"] = _engine_delta(before, _engine_counters(server.address), served["elapsed_s"])
+                _slot(level, "served", label)["served"] = served
+                record.incomplete |= served["timed_out"] or bool(served.get("client_errors"))
+                log.info("serve level", stack=stack_label(stack), concurrency=c,
+                         output_tok_s=round(served["output_tokens_per_s"], 1), ttft_p50_ms=served["ttft_ms"]["p50"])
     finally:
         if clients is not None:
             clients.close()
         rc = server.stop()
-        res["server"]["exit_code"] = rc
+        info["exit_code"] = rc
         if record.errors:
-            res["server"]["log_tail"] = server.log_tail()
+            info["log_tail"] = server.log_tail()
 
 
 def _engine_counters(address: str) -> dict[str, float] | None:
@@ -347,15 +388,19 @@ def _in_process_levels(record: BenchRecord, engine_config: Any, slices: list[lis
 
 
 def _compare(res: dict[str, Any]) -> None:
-    """Ratios per level and the gRPC TTFT overhead at concurrency 1."""
+    """Ratios per level and the gRPC TTFT overhead at concurrency 1, for every served stack."""
     for level in res.get("levels", []):
-        s, p = level.get("served", {}), level.get("in_process", {})
-        if s.get("output_tokens_per_s") and p.get("output_tokens_per_s"):
-            level["ratio_output_tokens_per_s"] = s["output_tokens_per_s"] / p["output_tokens_per_s"]
-            level["comparable"] = not (s.get("timed_out") or p.get("timed_out"))
-        if level["concurrency"] == 1 and s.get("ttft_ms", {}).get("p50") is not None \
-                and p.get("ttft_ms", {}).get("p50") is not None:
-            res["grpc_ttft_overhead_ms_c1"] = s["ttft_ms"]["p50"] - p["ttft_ms"]["p50"]
+        p = level.get("in_process", {})
+        slots = [(level, res)] + [(slot, res.setdefault("also_stack_overheads", {}).setdefault(label, {}))
+                                  for label, slot in level.get("served_stacks", {}).items()]
+        for slot, overheads in slots:
+            s = slot.get("served", {})
+            if s.get("output_tokens_per_s") and p.get("output_tokens_per_s"):
+                slot["ratio_output_tokens_per_s"] = s["output_tokens_per_s"] / p["output_tokens_per_s"]
+                slot["comparable"] = not (s.get("timed_out") or p.get("timed_out"))
+            if level["concurrency"] == 1 and s.get("ttft_ms", {}).get("p50") is not None \
+                    and p.get("ttft_ms", {}).get("p50") is not None:
+                overheads["grpc_ttft_overhead_ms_c1"] = s["ttft_ms"]["p50"] - p["ttft_ms"]["p50"]
 
 
 def short_table(results: dict[str, Any]) -> list[str]:
@@ -379,9 +424,25 @@ def short_table(results: dict[str, Any]) -> list[str]:
             per = "/".join(str(n) for n in spread.get("requests_per_worker", {}).values())
             spread_lines.append(f"  c{level['concurrency']}: requests per frontend worker {per}"
                                 f"{'' if spread.get('balanced') else ' (connections not spread as meant)'}")
+    for st in results.get("also_stacks", []):
+        label = st["label"]
+        lines.append(f"  stack {label} (engine core : transport : frontend workers):")
+        for level in results.get("levels", []):
+            slot = level.get("served_stacks", {}).get(label, {})
+            s = slot.get("served", {})
+            ttft = s.get("ttft_ms", {})
+            done = f"{s.get('completed', 0)}/{level['num_requests']}"
+            lines.append(f"{level['concurrency']:>5} {done:>9} {f(ttft.get('p50')) + '/' + f(ttft.get('p99')):>17} "
+                         f"{f(s.get('tpot_ms', {}).get('p50'), '.2f'):>11} {f(s.get('itl_ms', {}).get('p99'), '.2f'):>10} "
+                         f"{f(s.get('output_tokens_per_s')):>10} {f(level.get('in_process', {}).get('output_tokens_per_s')):>10} "
+                         f"{f(slot.get('ratio_output_tokens_per_s'), '.2f'):>6} {f(s.get('client_cpu_fraction'), '.2f'):>10}")
+        over = results.get("also_stack_overheads", {}).get(label, {}).get("grpc_ttft_overhead_ms_c1")
+        if over is not None:
+            lines.append(f"  stack {label}: TTFT overhead at concurrency 1: {over:.2f} ms (p50)")
     stack = results.get("served_stack") or {}
     if stack:
-        lines.append(f"transport {stack.get('engine_transport')}, {stack.get('frontend_workers')} frontend worker(s), "
+        lines.append(f"primary stack: engine core {stack.get('engine_core', 'thread')}, transport "
+                     f"{stack.get('engine_transport')}, {stack.get('frontend_workers')} frontend worker(s), "
                      f"{stack.get('client_procs')} client process(es); client cpu = busiest client process")
     lines += spread_lines
     if "grpc_ttft_overhead_ms_c1" in results:

@@ -128,9 +128,11 @@ def probe_worker_pid_sync(address: str, tag: int, timeout: float = 5.0) -> tuple
 
     channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, ("tandem.bench.probe", tag)])
     try:
+        # STATS names the worker (health says only SERVING/NOT_SERVING to unauthenticated callers);
+        # a worker that answers STATS has its engines and tokenizer, so it serves.
         resp = frontend_pb2_grpc.FrontendStub(channel).Utility(
-            common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_HEALTH), timeout=timeout)
-        return int(resp.result["pid"]), resp.result["status"] == "SERVING"
+            common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_STATS), timeout=timeout)
+        return int(resp.result["frontend"]["pid"]), True
     except grpc.RpcError:
         return None, False
     finally:
@@ -143,8 +145,8 @@ async def _worker_pid(stub: Any) -> int | None:
     from tandem.v1 import common_pb2
 
     try:
-        resp = await stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_HEALTH), timeout=30)
-        return int(resp.result["pid"])
+        resp = await stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_STATS), timeout=30)
+        return int(resp.result["frontend"]["pid"])
     except grpc.aio.AioRpcError:
         return None
 

@@ -133,7 +133,7 @@ def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
 
     from tandem.bench.hf_peer import build_hf_model, compare_logits, copy_weights_to_hf, hf_last_logits, \
         release_device_memory
-    from tandem.bench.roofline import fake_batch
+    from tandem.bench.roofline import PlannedBatch, fake_plan, make_worker
     from tandem.engine_service.loader import resolve_model
 
     res = record.results
@@ -163,9 +163,11 @@ def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
         return None
     with record.stage("peer_verify"):
         rng = np.random.default_rng(1234)
-        items, _ = fake_batch(1, prompt_len, prompt_len, runner.block_size, small_blocks, runner.vocab_size, rng)
-        ours = runner.execute(items)[0]
-        theirs = hf_last_logits(hf, items[0].seq.prompt_token_ids)
+        plan, _ = fake_plan(1, prompt_len, prompt_len, runner.block_size, small_blocks, runner.vocab_size, rng)
+        planned = PlannedBatch(make_worker(runner), plan)
+        ours = planned.execute()[0]
+        planned.release()
+        theirs = hf_last_logits(hf, plan.new_requests[0].token_ids)
         check = compare_logits(ours, theirs, runner.dtype)
         res["peer"]["weights"]["logits_check"] = check
         if not check["verified"]:

@@ -50,6 +50,8 @@ from tandem.engine_service.input_batch import prepare_host_inputs
 from tandem.engine_service.model_runner import ModelRunner
 from tandem.engine_service.scheduler import ScheduledSeq
 from tandem.engine_service.sequence import SamplingParams, Sequence
+from tandem.engine_service.worker import StepWorker, WorkerStep
+from tandem.engine_service.worker_rows import StepBatch, host_inputs_from_rows
 
 DEVICE = "cuda"
 BLOCK_SIZE = 16
@@ -76,25 +78,27 @@ PAIRS = [("reference", "triton_graphs"), ("reference", "triton_eager"), ("triton
 
 
 class Recorder:
-    """Wraps a runner's `execute`: keeps the last step's logits rows by request id, and counts
-    the steps that went through a CUDA graph."""
+    """Wraps an engine worker's `execute`: keeps the last step's logits rows by request id, and
+    counts the steps that went through a CUDA graph. `execute` is the runner's own entry for the
+    hand-built, Sequence-shaped batches of the timing parts."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, worker: StepWorker) -> None:
         self.runner = runner
-        self.execute = runner.execute  # the unwrapped method
+        self.execute = runner.execute
+        self._worker_execute = worker.execute  # the unwrapped method
         self.last: dict[str, torch.Tensor] = {}
         self.steps = 0
         self.graph_steps = 0
-        runner.execute = self  # type: ignore[method-assign]
+        worker.execute = self  # type: ignore[method-assign]
 
     @torch.inference_mode()
-    def __call__(self, batch: list[ScheduledSeq], previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, batch: StepBatch, previous: WorkerStep | None = None) -> torch.Tensor:
         graphs = self.runner.cuda_graphs
-        if graphs is not None and graphs.can_run(prepare_host_inputs(batch, self.runner.block_size)):
+        if graphs is not None and graphs.can_run(host_inputs_from_rows(batch, self.runner.block_size)):
             self.graph_steps += 1
         self.steps += 1
-        logits = self.execute(batch, previous_tokens)
-        ids = [item.seq.request_id for item in batch if item.sample]
+        logits = self._worker_execute(batch, previous)
+        ids = [row.request_id for row in batch.sampling_rows]
         self.last = {rid: logits[i] for i, rid in enumerate(ids)}
         return logits
 
@@ -151,7 +155,8 @@ def _build(args: argparse.Namespace, name: str, overrides: dict[str, Any]) -> Va
     config = _config(args, overrides, "off")
     config.validate()
     runner = ModelRunner(config)
-    return Variant(name, LLMEngine(config, runner=runner), Recorder(runner))
+    engine = LLMEngine(config, runner=runner)
+    return Variant(name, engine, Recorder(runner, engine.worker))
 
 
 def part_build(args: argparse.Namespace, variants: dict[str, Variant]) -> dict[str, Any]:

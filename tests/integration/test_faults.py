@@ -265,8 +265,8 @@ def test_kill_engine_fails_fast_and_routes_to_survivor(two_replicas):
             reply = c.generate(f"After the crash {i}", max_tokens=4, temperature=0.0)
             assert len(reply.choices[0].token_ids) == 4
         health = c.utility("health")
-        assert health["status"] == "SERVING"
-        assert health["engines"][victim_addr] is False
+        assert health == {"status": "SERVING"}  # no internals for an unauthenticated caller
+        assert "error" in c.utility("stats")["engines"][victim_addr]
         for th in threads:
             th.join(60)
         wait_idle(c)

@@ -32,9 +32,11 @@ def test_two_frontend_workers_share_the_port_and_drain(launch_serve):
         ch = grpc.insecure_channel(frontend, options=[("grpc.use_local_subchannel_pool", 1), ("tandem.test.conn", i)])
         channels.append(ch)
         stub = frontend_pb2_grpc.FrontendStub(ch)
-        resp = stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_HEALTH), timeout=30)
-        pid = int(resp.result["pid"])
-        assert resp.result["status"] == "SERVING"
+        # STATS names the worker; health tells unauthenticated callers only SERVING/NOT_SERVING.
+        health = stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_HEALTH), timeout=30)
+        assert dict(health.result) == {"status": "SERVING"}
+        resp = stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_STATS), timeout=30)
+        pid = int(resp.result["frontend"]["pid"])
         pids.setdefault(pid, ch)
         time.sleep(0.02)
     assert len(pids) == 2, pids.keys()

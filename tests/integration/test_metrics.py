@@ -31,9 +31,11 @@ PROMPT = ("The quick brown fox jumps over the lazy dog while the cat watches fro
 def observed(launch_serve, get_free_port, tmp_path_factory):
     log_file = tmp_path_factory.mktemp("logs") / "serve.log"
     fport, eport = get_free_port(), get_free_port()
+    # The stream transport (serve's default is mux): the engine's per-request `request_end` line
+    # belongs to a request's own Stream call; mux requests end inside their Subscribe stream.
     server, frontend, _ = launch_serve(
         ["--metrics-host", "127.0.0.1", "--metrics-port", str(fport), "--engine-metrics-port", str(eport),
-         "--max-num-seqs", str(MAX_NUM_SEQS), "--num-kv-blocks", "256"],
+         "--max-num-seqs", str(MAX_NUM_SEQS), "--num-kv-blocks", "256", "--engine-transport", "stream"],
         env={"TANDEM_LOG_LEVEL": "info"}, stderr=log_file,
     )
     yield {"frontend": frontend, "frontend_metrics": fport, "engine_metrics": eport, "log": log_file}

@@ -145,6 +145,47 @@ def test_gpu_only_measurements_raise_a_clear_error_on_cpu(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # no result file for a run that cannot happen
 
 
+def test_roofline_drives_the_runner_through_a_step_plan(one_torch_thread):
+    """The roofline's fake batches reach the runner as the engine's do (a step plan applied to a
+    worker's rows); on CPU the logits equal the Sequence-shaped input path's on the same tokens."""
+    import numpy as np
+
+    from tandem.bench.roofline import PlannedBatch, decode_path, fake_plan, make_worker
+    from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from tandem.engine_service.model_runner import ModelRunner
+    from tandem.engine_service.scheduler import ScheduledSeq
+    from tandem.engine_service.sequence import Sequence
+
+    runner = ModelRunner(EngineConfig(ModelConfig(model=TINY), CacheConfig(block_size=4, num_blocks=40),
+                                      SchedulerConfig()))
+    worker = make_worker(runner)
+    plan, aliased = fake_plan(3, 10, 1, runner.block_size, runner.num_blocks, runner.vocab_size,
+                              np.random.default_rng(0))
+    assert not aliased and [r.block_ids for r in plan.new_requests] == [[[0, 1, 2]], [[3, 4, 5]], [[6, 7, 8]]]
+    with pytest.raises(ValueError, match="pool has"):
+        fake_plan(20, 10, 1, runner.block_size, runner.num_blocks, runner.vocab_size, np.random.default_rng(0))
+    planned = PlannedBatch(worker, plan)
+    assert decode_path(runner, planned) == "eager" and len(worker.rows) == 3
+    # The K/V the decode reads must exist: fill the caches with the prompts first (the same way).
+    prefill, _ = fake_plan(3, 10, 10, runner.block_size, runner.num_blocks, runner.vocab_size,
+                           np.random.default_rng(0), tag="-fill")
+    filled = PlannedBatch(worker, prefill)
+    filled.execute()
+    filled.release()
+    logits = planned.execute()
+    again = planned.execute()  # a planned batch may be timed repeatedly: rows are not advanced
+    torch.testing.assert_close(logits, again, atol=0, rtol=0)
+    seqs = []
+    for req in plan.new_requests:
+        seq = Sequence(req.request_id, req.token_ids, req.sampling_params)
+        seq.block_table, seq.num_computed_tokens = req.block_ids[0], req.num_computed_tokens
+        seqs.append(ScheduledSeq(seq, 1, True))
+    torch.testing.assert_close(logits, runner.execute(seqs), atol=0, rtol=0)
+    assert logits.shape == (3, runner.vocab_size)
+    planned.release()
+    assert len(worker.rows) == 0
+
+
 # -- throughput ----------------------------------------------------------------------------------
 
 
@@ -200,11 +241,18 @@ def test_serve_through_grpc_and_in_process(tmp_path, one_torch_thread, monkeypat
     monkeypatch.setenv("TANDEM_TORCH_THREADS", "1")  # the engine child, for the same reason
     rc, data = _run_bench("serve", "--model", TINY, "--concurrency", "1,2", "--requests-per-level", "2",
                           "--scale", "0.03", "--warmup-requests", "1", "--cpu-kv-cache-gb", "0.01",
-                          "--level-seconds", "120", "--out", str(tmp_path))
+                          "--level-seconds", "120", "--also-stack", "thread:stream:1", "--out", str(tmp_path))
     assert rc == 0, data["errors"]
     res = data["results"]
     assert res["server"]["exit_code"] == 0
+    assert res["servers"]["thread:stream:1"]["exit_code"] == 0
+    assert "--engine-core" in res["servers"]["thread:stream:1"]["argv"]
     levels = res["levels"]
+    for level in levels:  # the old stack (core on a thread, stream transport) ran the same requests
+        old = level["served_stacks"]["thread:stream:1"]
+        assert old["served"]["completed"] == 2 and old["served"]["output_tokens"] == level["served"]["output_tokens"]
+        assert old["ratio_output_tokens_per_s"] == pytest.approx(
+            old["served"]["output_tokens_per_s"] / level["in_process"]["output_tokens_per_s"])
     assert [lv["concurrency"] for lv in levels] == [1, 2]
     workload = make_workload("nanovllm", vocab_size=320, num_prompts=4, scale=0.03, max_model_len=512)
     for i, level in enumerate(levels):
@@ -220,8 +268,8 @@ def test_serve_through_grpc_and_in_process(tmp_path, one_torch_thread, monkeypat
         assert engine["generation_tokens"] == served["output_tokens"]
         assert 0 < engine["steps"] <= served["output_tokens"] + len(share) * 40  # prefill chunks add steps
     assert "grpc_ttft_overhead_ms_c1" in res
-    assert res["served_stack"] == {"engine_transport": "stream", "frontend_workers": 1, "client_procs": 1,
-                                   "client_procs_requested": 1}
+    assert res["served_stack"] == {"engine_core": "process", "engine_transport": "mux", "frontend_workers": 1,
+                                   "client_procs": 1, "client_procs_requested": 1}
     for level in levels:  # one process, one frontend: every request on the one worker
         spread = level["served"]["frontend_spread"]
         assert spread["workers_used"] == 1 and spread["balanced"]
@@ -239,8 +287,8 @@ def test_serve_merges_client_processes_over_two_frontend_workers(tmp_path, one_t
     assert rc == 0, data["errors"]
     res = data["results"]
     assert res["server"]["exit_code"] == 0
-    assert res["served_stack"] == {"engine_transport": "stream", "frontend_workers": 2, "client_procs": 2,
-                                   "client_procs_requested": 2}
+    assert res["served_stack"] == {"engine_core": "process", "engine_transport": "mux", "frontend_workers": 2,
+                                   "client_procs": 2, "client_procs_requested": 2}
     workers = res["server"]["frontend_workers"]
     assert workers["requested"] == workers["reached"] == 2 and len(set(workers["pids"])) == 2
     assert "--frontend-workers" in res["server"]["argv"]
@@ -354,8 +402,17 @@ def test_report_tables_carry_device_commit_workload_and_ratio(tmp_path):
     # A later run of another served stack keeps its own rows; the run above (recorded before
     # the stack was) reads as stream transport, one frontend worker, one client process.
     scaled = json.loads(json.dumps(serve))
-    scaled["served_stack"] = {"engine_transport": "mux", "frontend_workers": 4, "client_procs": 4}
+    scaled["served_stack"] = {"engine_core": "process", "engine_transport": "mux", "frontend_workers": 4,
+                              "client_procs": 4}
     scaled["levels"][0]["ratio_output_tokens_per_s"] = 0.93
+    # ... with the old stack measured beside it in the same call (--also-stack thread:stream:1).
+    scaled["also_stacks"] = [{"engine_core": "thread", "engine_transport": "stream", "frontend_workers": 1,
+                              "label": "thread:stream:1"}]
+    scaled["levels"][0]["served"]["client_cpu_fraction"] = 0.31
+    scaled["levels"][0]["served_stacks"] = {"thread:stream:1": {
+        "served": {"completed": 32, "output_tokens_per_s": 500.0, "ttft_ms": {"p50": 60.0, "p90": 70.0, "p99": 80.0}},
+        "ratio_output_tokens_per_s": 0.5}}
+    scaled["also_stack_overheads"] = {"thread:stream:1": {"grpc_ttft_overhead_ms_c1": 9.5}}
     (results / "serve-qwen3-0.6b-2.json").write_text(
         json.dumps(_synthetic("serve", "dummy:qwen3-0.6b", scaled, "2030-01-01T00:00:03Z")))
     # A later throughput run of another workload does not hide the nanovllm row.
@@ -382,13 +439,15 @@ def test_report_tables_carry_device_commit_workload_and_ratio(tmp_path):
 
     for needles in ((" 1 | 1024 ", "85.0%", "89.5%", "decode-sweep"), (" 16 | 1024 ", "80.0%"),
                     ("prefill 8x1024", "40.0%"), ("nanovllm (256 req)", "1.50×"), ("random-1k (1000 req)", "2.50×"),
-                    ("| stream | 1 | 1 | 16 |", "0.95×"), ("| mux | 4 | 4 | 16 |", "0.93×")):
+                    ("| thread | stream | 1 | 1 | 16 |", "0.95×"), ("| process | mux | 4 | 4 | 16 |", "0.93×", "0.31"),
+                    ("| thread | stream | 1 | 4 | 16 |", "0.50×", "60.0 / 70.0 / 80.0")):
         row = row_with(*needles)
         assert "Test GPU 141GB" in row and "`0123456789`" in row and "torch 9.9.0" in row
     assert "skipped" in row_with(" 256 | 8192 ")
     assert "20.0 / 30.0 / 40.0" in row_with("| 16 |", "0.95×")
-    assert "transport stream, 1 frontend worker(s), 1 client process(es): frontend + gRPC TTFT overhead" in text
-    assert "1.25 ms" in text
+    assert ("engine core thread, transport stream, 1 frontend worker(s), 1 client process(es): frontend + gRPC "
+            "TTFT overhead") in text
+    assert "1.25 ms" in text and "9.50 ms" in text
     assert "](benchmarks_decode.png)" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

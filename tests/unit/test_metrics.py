@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.engine_service.engine import StepOutput
+from tandem.core_protocol import EngineStats, FinishReason
+from tandem.core_protocol import RequestOutput as StepOutput
 from tandem.engine_service.metrics import EngineMetrics
-from tandem.engine_service.sequence import FinishReason
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.metrics import token_buckets
 from tandem.request_scope import RequestScope, grpc_outcome
@@ -23,21 +23,13 @@ from tandem.v1 import common_pb2, frontend_pb2
 MODEL = {"model_name": "m"}
 
 
-def _snapshot(**overrides) -> dict:
-    snap = {
-        "num_running": 0, "num_waiting": 0, "waiting_tokens": 0, "kv_blocks_total": 100, "kv_blocks_used": 0,
-        "kv_usage": 0.0, "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
-        "prompt_tokens_total": 0, "generation_tokens_total": 0, "steps_total": 0, "finished_requests_total": 0,
-        "aborted_requests_total": 0,
-    }
-    snap.update(overrides)
-    return snap
+def _snapshot(**overrides) -> EngineStats:
+    return EngineStats(kv_blocks_total=100, **overrides)
 
 
-def _fake_async_engine():
-    block_manager = SimpleNamespace(block_size=16, num_blocks=100, enable_prefix_caching=True)
-    llm = SimpleNamespace(block_manager=block_manager, max_model_len=2048)
-    return SimpleNamespace(engine=llm, stats_snapshot=_snapshot(), step_listeners=[])
+def _fake_core_client():
+    info = SimpleNamespace(block_size=16, kv_blocks=100, enable_prefix_caching=True, max_model_len=2048)
+    return SimpleNamespace(info=info, stats_snapshot=_snapshot(), step_listeners=[])
 
 
 def _value(registry, name: str, **labels) -> float:
@@ -46,7 +38,7 @@ def _value(registry, name: str, **labels) -> float:
 
 
 def test_snapshot_is_exposed_as_gauges_and_counters():
-    engine = _fake_async_engine()
+    engine = _fake_core_client()
     metrics = EngineMetrics(engine, "m")
     engine.stats_snapshot = _snapshot(num_running=3, num_waiting=2, kv_usage=0.25, prompt_tokens_total=40,
                                       generation_tokens_total=7, prefix_cache_queries=40, prefix_cache_hits=16,
@@ -70,15 +62,16 @@ def test_snapshot_is_exposed_as_gauges_and_counters():
 
 
 def test_step_listener_times_tokens_and_counts_endings():
-    engine = _fake_async_engine()
+    engine = _fake_core_client()
     metrics = EngineMetrics(engine, "m")
     assert engine.step_listeners == [metrics.on_step]
     r = metrics.registry
     arrival = 1.0  # monotonic seconds, long ago: every latency is positive
 
     def step(outputs, steps_total):
+        stepped = steps_total != engine.stats_snapshot.steps_total
         engine.stats_snapshot = _snapshot(steps_total=steps_total)
-        metrics.on_step(outputs, 0.01)
+        metrics.on_step(outputs, 0.01, stepped)
 
     step([StepOutput("a", new_token_ids=[1], arrival_time=arrival),
           StepOutput("b", new_token_ids=[2], arrival_time=arrival)], 1)

@@ -253,17 +253,18 @@ def test_length_limited_requests_batch_exactly_as_without_overlap(runner) -> Non
     batches = {}
     for mode in ("off", "on"):
         log = batches[mode] = []
-        original = runner.execute
+        engine = LLMEngine(make_config(mode, max_num_seqs=3, max_batched=16), runner=runner)
+        original = engine.worker.launch
 
-        def recording(batch, previous_tokens=None, _log=log, _original=original):
-            _log.append([(item.seq.request_id, item.num_new_tokens) for item in batch])
-            return _original(batch, previous_tokens)
+        def recording(plan, previous=None, _log=log, _original=original):
+            cached = plan.cached_requests
+            entries = [*zip(cached.request_ids, cached.num_scheduled_tokens),
+                       *((r.request_id, r.num_scheduled_tokens) for r in plan.new_requests)]
+            if entries:
+                _log.append(entries)
+            return _original(plan, previous)
 
-        runner.execute = recording
-        try:
-            engine = LLMEngine(make_config(mode, max_num_seqs=3, max_batched=16), runner=runner)
-            run_all(engine, requests)
-        finally:
-            del runner.execute
+        engine.worker.launch = recording
+        run_all(engine, requests)
         assert_idle(engine)
-    assert batches["on"] == batches["off"]
+    assert batches["on"] == batches["off"] and len(batches["off"]) > 5

@@ -153,6 +153,25 @@ def test_concurrent_register_and_release() -> None:
     assert duplicates[0] <= 8 * 250
 
 
+def test_abort_is_recorded_from_registration_and_respects_the_owner() -> None:
+    """Issue #10 failures 4 and 8: an abort is recorded on a request that is only registered,
+    returns the choices still in flight once (then []), and another owner cannot abort it."""
+    ids = RequestIdMap(replica_prefix="r")
+    reg = ids.register("job", 3, owner="alice")
+    assert not ids.is_aborted("job")
+    assert ids.abort("job", caller="bob") is None and not ids.is_aborted("job")
+    assert ids.abort("job", caller="alice") == reg.internal_ids
+    assert ids.is_aborted("job")
+    assert ids.abort("job", caller="alice") == []  # the first abort already ended every choice
+    assert ids.abort("nobody") is None
+    open_request = ids.register("shared", 1)  # no owner (auth off): anyone may abort
+    assert ids.abort("shared", caller=None) == open_request.internal_ids
+    owned = ids.register("owned", 1, owner="alice")
+    assert ids.abort("owned", caller="bob", override=True) == owned.internal_ids  # an admin
+    ids.release("job")
+    assert not ids.is_aborted("job") and ids.abort("job", caller="alice") is None
+
+
 # -- found by mutation testing (docs/testing.md) ------------------------------------------------
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from tandem.core_protocol import StopSequence, StopToken
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tandem.engine_service.stopping import check_stop
 
@@ -33,12 +34,12 @@ def test_eos_stops_with_its_token_id() -> None:
     seq, step = run(SamplingParams(max_tokens=50), [5, 6, EOS, 7])
     assert step == 2
     assert seq.status == SequenceStatus.FINISHED
-    assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, EOS)
+    assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, StopToken(EOS))
 
 
 def test_any_of_several_eos_ids() -> None:
     seq, step = run(SamplingParams(max_tokens=50), [5, 11, 7], eos=(10, 11))
-    assert step == 1 and seq.stop_reason == 11
+    assert step == 1 and seq.stop_reason == StopToken(11)
 
 
 def test_ignore_eos() -> None:
@@ -50,7 +51,7 @@ def test_stop_token_ids_apply_even_with_ignore_eos() -> None:
     for ignore_eos in (False, True):
         seq, step = run(SamplingParams(max_tokens=50, stop_token_ids=[8, 9], ignore_eos=ignore_eos), [5, 6, 9, 8])
         assert step == 2
-        assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, 9)
+        assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, StopToken(9))
 
 
 def test_stop_sequence_spanning_several_tokens() -> None:
@@ -58,9 +59,9 @@ def test_stop_sequence_spanning_several_tokens() -> None:
     # Partial matches (4 5 then 4 5 7, a lone 7) do not stop; the full 4 5 6 does.
     seq, step = run(params, [4, 5, 4, 5, 7, 3, 4, 5, 6, 1])
     assert step == 8
-    assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, "seq:0")
+    assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, StopSequence(0))
     seq, step = run(params, [7, 1, 7, 7])
-    assert step == 3 and seq.stop_reason == "seq:1"
+    assert step == 3 and seq.stop_reason == StopSequence(1)
 
 
 def test_stop_sequence_does_not_reach_into_the_prompt() -> None:
@@ -73,9 +74,9 @@ def test_stop_sequence_does_not_reach_into_the_prompt() -> None:
 
 def test_first_listed_matching_stop_sequence_wins() -> None:
     seq, _ = run(SamplingParams(max_tokens=50, stop_token_sequences=[[], [3, 4], [4]]), [1, 3, 4])
-    assert seq.stop_reason == "seq:1"
+    assert seq.stop_reason == StopSequence(1)
     seq, _ = run(SamplingParams(max_tokens=50, stop_token_sequences=[[4], [3, 4]]), [1, 3, 4])
-    assert seq.stop_reason == "seq:0"
+    assert seq.stop_reason == StopSequence(0)
 
 
 def test_max_tokens_and_max_model_len() -> None:
@@ -89,14 +90,14 @@ def test_max_tokens_and_max_model_len() -> None:
 def test_precedence() -> None:
     # A stop on the last allowed token is a natural end: STOP beats LENGTH.
     seq, step = run(SamplingParams(max_tokens=3), [5, 6, EOS])
-    assert step == 2 and (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, EOS)
+    assert step == 2 and (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, StopToken(EOS))
     seq, _ = run(SamplingParams(max_tokens=100, stop_token_sequences=[[5, 6]]), [5, 6], max_model_len=4)
-    assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, "seq:0")
+    assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP, StopSequence(0))
     # EOS before stop token ids before stop sequences, when one token triggers several.
     seq, _ = run(SamplingParams(stop_token_ids=[EOS, 9], stop_token_sequences=[[1, EOS]]), [1, EOS])
-    assert seq.stop_reason == EOS
+    assert seq.stop_reason == StopToken(EOS)
     seq, _ = run(SamplingParams(stop_token_ids=[9], stop_token_sequences=[[1, 9]]), [1, 9])
-    assert seq.stop_reason == 9
+    assert seq.stop_reason == StopToken(9)
 
 
 def test_min_tokens_defers_every_stop_but_length() -> None:
@@ -106,9 +107,9 @@ def test_min_tokens_defers_every_stop_but_length() -> None:
     _, step = run(params, [4, 5, 1])
     assert step is None
     seq, step = run(params, [EOS, 1, EOS])
-    assert step == 2 and seq.stop_reason == EOS  # the third output may stop it
+    assert step == 2 and seq.stop_reason == StopToken(EOS)  # the third output may stop it
     seq, step = run(params, [1, 4, 5])
-    assert step == 2 and seq.stop_reason == "seq:0"  # a match may start before min_tokens
+    assert step == 2 and seq.stop_reason == StopSequence(0)  # a match may start before min_tokens
     # Length limits are not deferred.
     seq, step = run(params, [1, 1, 1], max_model_len=3)
     assert step == 0 and seq.finish_reason == FinishReason.LENGTH
@@ -149,7 +150,7 @@ def test_cost_is_bounded_by_stop_sequence_length() -> None:
     guarded = _GuardedList([5] * 100_000 + [2, 3, 9])  # ends with 3 9: seq:1 after a near miss
     seq.output_token_ids = guarded
     assert check_stop(seq, 10**7)
-    assert seq.stop_reason == "seq:1"
+    assert seq.stop_reason == StopSequence(1)
     assert guarded.items_read <= 1 + sum(len(s) for s in stop_seqs)
 
 
@@ -159,12 +160,12 @@ def naive_stop(tokens: list[int], prompt_len: int, p: SamplingParams, eos: tuple
         out = tokens[:n]
         if n >= p.min_tokens:
             if not p.ignore_eos and out[-1] in eos:
-                return n - 1, FinishReason.STOP, out[-1]
+                return n - 1, FinishReason.STOP, StopToken(out[-1])
             if out[-1] in p.stop_token_ids:
-                return n - 1, FinishReason.STOP, out[-1]
+                return n - 1, FinishReason.STOP, StopToken(out[-1])
             for i, s in enumerate(p.stop_token_sequences):
                 if s and len(s) <= n and out[len(out) - len(s):] == s:
-                    return n - 1, FinishReason.STOP, f"seq:{i}"
+                    return n - 1, FinishReason.STOP, StopSequence(i)
         if n >= p.max_tokens or prompt_len + n >= max_model_len:
             return n - 1, FinishReason.LENGTH, None
     return None, None, None
@@ -192,7 +193,8 @@ def test_matches_naive_reference_on_random_streams() -> None:
         assert (step, seq.finish_reason, seq.stop_reason) == (ref_step, ref_reason, ref_stop), params
         outcomes.add((ref_reason, type(ref_stop)))
     # Every kind of ending was exercised.
-    assert outcomes >= {(FinishReason.STOP, int), (FinishReason.STOP, str), (FinishReason.LENGTH, type(None))}
+    assert outcomes >= {(FinishReason.STOP, StopToken), (FinishReason.STOP, StopSequence),
+                        (FinishReason.LENGTH, type(None))}
 
 
 def test_no_output_yet_is_never_a_stop() -> None:

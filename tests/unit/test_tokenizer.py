@@ -311,3 +311,24 @@ def test_slow_request_answered_with_the_same_fast_class_is_not_preferred(monkeyp
     calls = _patch_loader(monkeypatch, fast, _Fake(hf, is_fast=True))
     t = TextTokenizer.from_pretrained(tmp_path)
     assert (t.kind, t.probe_passed, t.hf_tokenizer, calls) == ("fast", False, fast, [True, False])
+
+
+def test_plain_fast_tokenizer_loads_without_torch_and_matches_auto(smol_dir: Path, hf) -> None:
+    # SmolLM2's tokenizer_config names the plain fast class: loaded without AutoTokenizer, it is
+    # the same class and gives the same ids, text and chat rendering.
+    import subprocess
+    import sys
+
+    tok = TextTokenizer.from_pretrained(smol_dir)
+    assert type(tok.hf_tokenizer) is type(hf)
+    text = "Hello wörld, 你好 🙂\n  code:\tx = 1"
+    assert tok.encode(text) == list(hf.encode(text))
+    assert tok.decode(tok.encode(text)) == hf.decode(hf.encode(text), skip_special_tokens=True)
+    messages = [{"role": "user", "content": "Hi there"}]
+    assert tok.apply_chat_template(messages) == list(
+        hf.encode(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False))
+    code = ("import sys; from tandem.frontend.tokenizer import TextTokenizer; "
+            f"t = TextTokenizer.from_pretrained({str(smol_dir)!r}); print(t.kind, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["fast", "False"]

@@ -1,0 +1,146 @@
+"""The engine-core process: loads the model and runs the `EngineCore` loop over ZeroMQ IPC.
+
+Started by `MultiprocessCoreClient` (mp_client.py) as
+``python -m tandem.engine_service.core_process --input ADDR --output ADDR --config JSON``.
+The parent binds both sockets; this process connects a PULL socket for `CoreInput` messages and
+a PUSH socket for `CoreMessage`s, all msgpack (msgspec). The loop takes every queued message,
+runs one step and sends that step's `CoreOutputs`; the PUSH socket has no high-water mark, so a
+slow reader never blocks a step. It exits 0 on `CoreShutdown`, 1 after a fatal error (having
+sent `CoreFailed`), and dies with its parent (PR_SET_PDEATHSIG, plus a parent-pid check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+import msgspec
+import structlog
+import zmq
+
+from tandem.core_protocol import CoreCodec, CoreFailed, CoreReady, CoreShutdown, UtilityCall
+from tandem.engine_service.config import EngineConfig
+
+log = structlog.get_logger(__name__)
+
+IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is still there
+
+
+def _die_with_parent() -> None:
+    """Asks Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_core(config: EngineConfig, input_addr: str, output_addr: str, fail_after_steps: int | None,
+             parent_pid: int) -> int:
+    codec = CoreCodec()
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.connect(input_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(output_addr)
+    encode = codec.encoder.encode
+    try:
+        torch_threads = os.environ.get("TANDEM_TORCH_THREADS")
+        if torch_threads:
+            import torch
+
+            torch.set_num_threads(int(torch_threads))
+        from tandem.engine_service.core import EngineCore, core_info
+        from tandem.engine_service.engine import LLMEngine
+
+        engine = LLMEngine(config)
+        core = EngineCore(engine, fail_after_steps)
+        push.send(encode(CoreReady(core_info(engine), engine.stats(), os.getpid())))
+        log.info("engine_core_ready", pid=os.getpid(), kv_blocks=engine.block_manager.num_blocks)
+        # The model is loaded on this (main) thread and the loop runs on another, exactly as
+        # in-process (InProcessCoreClient: built on an executor thread, stepped on the engine
+        # thread), so the two stacks differ only in the process boundary. It matters on CPU:
+        # stepping on the thread that loaded the model measured 10x slower per step on a busy
+        # 2-core host (torch's intra-op thread team). The sockets move to the loop thread (a
+        # thread start is the memory barrier ZeroMQ asks for) and this thread only waits.
+        result: list[int] = []
+        loop = threading.Thread(target=lambda: result.append(_loop(core, pull, push, codec, parent_pid)),
+                                name="tandem-engine-core")
+        loop.start()
+        loop.join()
+        return result[0] if result else 1
+    except BaseException as exc:  # fatal while loading: say so, then exit non-zero
+        log.exception("engine_fatal_error")
+        _send_failed(push, encode, exc)
+        return 1
+    finally:
+        pull.close(0)
+        push.close()
+        ctx.term()
+
+
+def _send_failed(push: zmq.Socket, encode, exc: BaseException) -> None:
+    try:
+        push.send(encode(CoreFailed(f"engine core failed: {exc}")))
+    except zmq.ZMQError:
+        pass
+
+
+def _loop(core, pull: zmq.Socket, push: zmq.Socket, codec: CoreCodec, parent_pid: int) -> int:
+    """Take every queued message, run one step, send its outputs; until CoreShutdown (0), a fatal
+    error (1, after CoreFailed) or the parent going away (1)."""
+    encode = codec.encoder.encode
+    decode = codec.input_decoder.decode
+    try:
+        while True:
+            if not core.has_work():
+                while not pull.poll(IDLE_POLL_MS):
+                    if os.getppid() != parent_pid:
+                        log.error("engine_core_parent_gone")
+                        return 1
+            while pull.poll(0):
+                msg = decode(pull.recv(copy=False).buffer)
+                if isinstance(msg, CoreShutdown):
+                    log.info("engine_core_stopped")
+                    return 0
+                result = core.apply(msg)
+                if isinstance(msg, UtilityCall):
+                    push.send(encode(result))
+            batch = core.step()
+            if batch is not None:
+                push.send(encode(batch), copy=False)
+    except BaseException as exc:  # fatal: say so, then exit non-zero
+        log.exception("engine_fatal_error")
+        _send_failed(push, encode, exc)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tandem-engine-core")
+    p.add_argument("--input", required=True, help="ZeroMQ address of the parent's PUSH socket")
+    p.add_argument("--output", required=True, help="ZeroMQ address of the parent's PULL socket")
+    p.add_argument("--config", required=True, help="EngineConfig as JSON")
+    p.add_argument("--fail-after-steps", type=int, default=None, help="testing only: fatal error after N steps")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="json", choices=["json", "console"])
+    args = p.parse_args(argv)
+    _die_with_parent()
+    parent_pid = os.getppid()
+    from tandem.logging_setup import configure_logging
+
+    configure_logging(args.log_level, json=args.log_format == "json")
+    # Signals go to the gRPC process, which shuts the core down in order (CoreShutdown).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    return run_core(config, args.input, args.output, args.fail_after_steps, parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The worker: applies step plans to its persistent rows, runs the model, samples, reads back.
+
+`StepWorker` is what one rank would run: `launch(plan, previous)` updates the rows from the plan,
+builds the step's inputs from the rows, queues the forward pass and the sampler on the device and
+marks the sampled rows' tokens pending; `collect(step)` waits for those tokens and appends them
+to the rows. Nothing here reads a scheduler object: the engine hands over a `StepPlan` and gets
+back token ids (and logprobs) in the plan's sampled-row order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine_service.model_runner import ModelRunner
+from tandem.engine_service.sampler import PendingSample, Sampler, SamplerOutput
+from tandem.engine_service.step_plan import StepPlan
+from tandem.engine_service.worker_rows import RequestRow, StepBatch, WorkerRows, host_inputs_from_rows
+
+
+@dataclass
+class WorkerStep:
+    """A launched step: its batch, the rows it samples (sampled-row order) and their tokens."""
+
+    batch: StepBatch
+    sampling: list[RequestRow]
+    sample: PendingSample | None
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """The sampled tokens on the device (what the next step's pending inputs read)."""
+        return self.sample.token_ids if self.sample is not None else None
+
+
+class StepWorker:
+    """Runs step plans on one model replica over persistent per-request rows.
+
+    Invariants: the rows change only through `launch` (the plan, then the pending marks) and
+    `collect` (read-back tokens); a row dropped or replaced (reused id) between a launch and its
+    collect is no longer among the rows, so that step's token reaches no live row.
+    """
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler, num_cache_groups: int = 1) -> None:
+        self.runner = runner
+        self.sampler = sampler
+        self.rows = WorkerRows(num_cache_groups)
+
+    def execute(self, batch: StepBatch, previous: WorkerStep | None = None) -> torch.Tensor:
+        """Forward `batch` (from `rows.apply`); float32 logits of its sampling entries. The rows
+        are not changed, so a batch may be executed again (benchmarks time this)."""
+        host = host_inputs_from_rows(batch, self.runner.block_size)
+        return self.runner.forward(host, previous.token_ids if previous is not None else None)
+
+    def launch(self, plan: StepPlan, previous: WorkerStep | None = None) -> WorkerStep | None:
+        """Apply `plan` and queue its step on the device (nothing waits); None when the plan
+        schedules nothing (it only dropped rows). `previous` is the step still in flight, whose
+        sampled tokens this step's pending inputs read on the device."""
+        batch = self.rows.apply(plan)
+        if not batch:
+            return None
+        logits = self.execute(batch, previous)
+        sampling = batch.sampling_rows
+        sample = None
+        if sampling:
+            sample = self.sampler.sample_async(logits, sampling)
+            for i, row in enumerate(sampling):
+                row.mark_pending(i)
+        return WorkerStep(batch, sampling, sample)
+
+    def collect(self, step: WorkerStep) -> SamplerOutput | None:
+        """Wait for `step`'s sampled tokens and append them to the rows still held."""
+        if step.sample is None:
+            return None
+        result = step.sample.result()
+        # A row dropped meanwhile is no longer in `rows`: appending to it changes nothing.
+        for row, token_id in zip(step.sampling, result.token_ids):
+            row.confirm_token(token_id)
+        return result

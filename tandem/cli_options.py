@@ -1,0 +1,127 @@
+"""The non-engine options of the `tandem` subcommands, declared once as dataclass fields.
+
+`tandem.options` turns each field into a flag, a `TANDEM_*` environment variable and a
+`--config` key (the engine's own fields live in `engine_service/config.py`). Subcommands that
+share a field but not its default (the frontend listens on 0.0.0.0:50051, the engine on
+127.0.0.1:50052) pass per-command defaults to `add_flags`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+DEFAULT_FRONTEND_ADDRESS = "127.0.0.1:50051"
+DEFAULT_ENGINE_ADDRESS = "127.0.0.1:50052"
+
+
+@dataclass
+class ServerArgs:
+    """Listening address and request defaults of one gRPC service (engine or frontend)."""
+
+    host: str = _opt("0.0.0.0", "bind address")
+    port: int = _opt(50051, "port")
+    default_max_tokens: int = _opt(256, "max_tokens of a request that sets none (unless the model's "
+                                        "generation config gives max_new_tokens)")
+    drain_timeout: float = _opt(30.0, "seconds in-flight requests may take to finish after SIGTERM")
+    enable_reflection: bool = _opt(False, "serve grpc.reflection")
+
+
+ENGINE_SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 50052}
+
+
+@dataclass
+class FrontendArgs:
+    """What a frontend needs beyond its address: its engines, tokenizer, name and workers."""
+
+    engine: list[str] | None = _opt(None, "engine address; repeat for replicas (default: 127.0.0.1:50052)",
+                                    metavar="HOST:PORT")
+    tokenizer: str | None = _opt(None, "model directory with the tokenizer (default: the engine's)")
+    served_model_name: str | None = _opt(None, "model name clients may ask for (default: the engine's --model)")
+    engine_transport: str = _opt("mux", "frontend-engine transport: a Stream call per choice, or one "
+                                        "multiplexed stream per engine (the faster one at high concurrency)",
+                                 choices=("stream", "mux"))
+    workers: int = _opt(1, "frontend processes sharing the port (SO_REUSEPORT); metrics ports count up "
+                           "from --metrics-port")
+    engine_connect_timeout: float = _opt(30.0, "seconds to wait for each --engine address to accept "
+                                               "connections before giving up at start; 0: no check, wait "
+                                               "for the engines while answering health (orchestrators)")
+
+
+def auto_frontend_workers(cpu_count: int | None = None) -> int:
+    """`--frontend-workers auto`: one frontend process per 4 cores, 1 to 4 (the engine service's
+    gRPC process and its core process need cores of their own)."""
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return max(1, min(4, cores // 4))
+
+
+def workers_count(text: str | int) -> int:
+    """A worker count flag's value: a positive integer or `auto`."""
+    if text == "auto":
+        return auto_frontend_workers()
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return value
+
+
+@dataclass
+class EngineCoreArgs:
+    """Where the engine core (scheduler, model runner, sampler loop) runs."""
+
+    engine_core: str = _opt("process", "where the engine core runs: its own process, talking to the gRPC "
+                                       "server over ZeroMQ IPC, or a thread of the gRPC server's process",
+                            choices=("process", "thread"))
+
+
+@dataclass
+class ServeArgs:
+    """`tandem serve` only: where its engine child listens, and the frontend's worker count."""
+
+    engine_host: str = _opt("127.0.0.1", "engine bind address (private by default)")
+    engine_port: int = _opt(50052, "engine port")
+    frontend_workers: int = _opt("auto", "frontend processes sharing the port (SO_REUSEPORT); metrics ports "
+                                         "count up from --metrics-port; auto: one per 4 cores, 1 to 4",
+                                 parse=workers_count)
+    engine_metrics_port: int | None = _opt(None, "serve the engine child's Prometheus metrics on this port; "
+                                                 "off when not given")
+
+
+@dataclass
+class MetricsArgs:
+    """The Prometheus endpoint of one process."""
+
+    metrics_host: str | None = _opt(None, "Prometheus endpoint bind address (default: the service's own --host; the engine child's: --engine-host)")
+    metrics_port: int | None = _opt(None, "serve Prometheus metrics on this port; off when not given")
+
+
+@dataclass
+class ClientArgs:
+    """`tandem generate` / `tandem chat`: where the server is, how long to wait, what to ask for."""
+
+    address: str = _opt(DEFAULT_FRONTEND_ADDRESS, "frontend address")
+    wait: float = _opt(300.0, "seconds to wait for the server to become ready (the embedded model's first "
+                              "start converts it); a server that does not answer at all is given at most "
+                              "30 of them")
+    max_tokens: int | None = _opt(None, "most tokens to generate (default: the server's)")
+    temperature: float | None = _opt(None, "sampling temperature, 0 = greedy (default: the model's)")
+    top_p: float | None = _opt(None, "nucleus sampling threshold (default: the model's)")
+    top_k: int | None = _opt(None, "sample among the k most likely tokens (default: the model's)")
+    seed: int | None = _opt(None, "sampling seed (default: random)")
+    stop: list[str] | None = _opt(None, "stop string; repeat for several")
+    n: int | None = _opt(None, "choices to generate")
+    logprobs: int | None = _opt(None, "log-probabilities of the top N alternatives per token")
+    json: bool = _opt(False, "print the whole response as JSON")
+
+    def sampling_kwargs(self) -> dict:
+        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, seed=self.seed, stop=self.stop or None, n=self.n, logprobs=self.logprobs)

@@ -1,0 +1,104 @@
+"""Checks a server command makes before it starts anything, each failing with one clear line.
+
+A wrong flag should cost the user one line naming the flag and its value, not a model load,
+two tracebacks and an exit code of 0. Each check raises `StartupError(flag, value, reason)`;
+`tandem.cli` prints it as one line (or one JSON record) and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+from pathlib import Path
+
+
+class StartupError(Exception):
+    """A flag value the command cannot start with: which flag, its value, and why."""
+
+    def __init__(self, flag: str, value: object, reason: str) -> None:
+        super().__init__(reason if value is None else f"{flag} {value}: {reason}")
+        self.flag, self.value, self.reason = flag, value, reason
+
+
+def check_model(spec: str) -> None:
+    from tandem.model_spec import ModelSpecError, check_model_spec
+
+    try:
+        check_model_spec(spec)
+    except ModelSpecError as exc:
+        raise StartupError("--model", spec, str(exc)) from None
+
+
+def check_generation_config(setting: str) -> None:
+    if setting in ("auto", "none"):
+        return
+    from tandem.generation_defaults import GenerationConfigError, read_generation_config
+
+    try:
+        read_generation_config(setting)
+    except GenerationConfigError as exc:
+        raise StartupError("--generation-config", setting, str(exc).removeprefix(f"{setting}: ")) from None
+
+
+def check_port_free(flag: str, host: str, port: int | None) -> None:
+    """Binds and releases `host:port` without SO_REUSEPORT: gRPC binds with SO_REUSEPORT, so a
+    second server on a busy port would otherwise start silently and share the port."""
+    if port is None or port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(flag, port, f"{host}:{port} is already in use (another server is "
+                                               f"listening there; pick another {flag})") from None
+            if exc.errno == errno.EACCES:
+                raise StartupError(flag, port, f"no permission to listen on {host}:{port}") from None
+            raise StartupError(flag, port, f"cannot listen on {host}:{port} ({exc.strerror})") from None
+
+
+def check_pem_files(args, prefix: str = "") -> None:
+    """Every TLS file flag of one hop names a readable PEM file."""
+    for name in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tls_client_cert", "tls_client_key"):
+        dest = (prefix + name).replace("-", "_")
+        path = getattr(args, dest, None)
+        if path is None:
+            continue
+        flag = "--" + (prefix + name).replace("_", "-")
+        try:
+            data = Path(path).expanduser().read_bytes()
+        except OSError as exc:
+            raise StartupError(flag, path, f"cannot read it ({exc.strerror})") from None
+        if b"-----BEGIN " not in data:
+            raise StartupError(flag, path, "is not a PEM file (no -----BEGIN line)")
+
+
+def check_engines_reachable(addresses: list[str], timeout: float) -> None:
+    """Each engine address resolves and accepts TCP connections within `timeout` seconds (an
+    engine that is still loading already listens, so this does not wait for the model). A
+    timeout of 0 skips the check: orchestrated deployments start frontends before their engines
+    and let the frontend wait for them while it answers health."""
+    if timeout <= 0:
+        return
+    for address in addresses:
+        host, sep, port_text = address.rpartition(":")
+        if not sep or not port_text.isdigit():
+            raise StartupError("--engine", address, "expected HOST:PORT")
+        host = host.strip("[]")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection((host, int(port_text)), timeout=2.0):
+                    break
+            except OSError as exc:  # a name that does not resolve yet may resolve soon: retried too
+                if time.monotonic() >= deadline:
+                    if isinstance(exc, socket.gaierror):
+                        raise StartupError("--engine", address, f"cannot resolve {host} ({exc.strerror})") from None
+                    reason = exc.strerror or type(exc).__name__
+                    raise StartupError("--engine", address, f"no engine answers there ({reason}) after "
+                                                            f"{timeout:g}s; start one with `tandem engine "
+                                                            f"--port {port_text}`") from None
+                time.sleep(0.5)

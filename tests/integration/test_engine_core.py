@@ -1,0 +1,188 @@
+"""The engine core in its own process, through real gRPC and the real SmolLM2 model: a killed core
+fails every request in flight cleanly and takes the service down non-zero; a consumer that never
+reads does not slow the core's steps; kv_transfer_params travel through the core and back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.client import TandemClient
+from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+ENGINE_SERVICE = "tandem.v1.Engine"
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def _find(pid: int, needle: str) -> int:
+    matches = [c for c in _children(pid) if needle in _cmdline(c)]
+    assert len(matches) == 1, (needle, [(c, _cmdline(c)) for c in _children(pid)])
+    return matches[0]
+
+
+def _stats(stub) -> dict:
+    from google.protobuf import json_format
+
+    r = stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_STATS), timeout=10)
+    return json_format.MessageToDict(r.result)
+
+
+def _request(rid: str, max_tokens: int, **sampling) -> engine_pb2.EngineRequest:
+    return engine_pb2.EngineRequest(
+        request_id=rid, prompt_token_ids=[1, 504, 3458, 314, 260, 1789, 28, 253],
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling))
+
+
+def test_kill_core_fails_every_request_and_exits_nonzero(launch_serve):
+    server, frontend, engine_addr = launch_serve([])
+    engine_pid = _find(server.proc.pid, " engine ")
+    core_pid = _find(engine_pid, "tandem.engine_service.core_process")
+    # The model lives in the core: the engine's gRPC process never loaded torch.
+    assert "libtorch" not in Path(f"/proc/{engine_pid}/maps").read_text()
+    assert "libtorch" in Path(f"/proc/{core_pid}/maps").read_text()
+    channel = grpc.insecure_channel(engine_addr)
+    stub = engine_pb2_grpc.EngineStub(channel)
+    outcomes: dict[str, object] = {}
+    started = threading.Barrier(5)
+
+    def direct(i: int) -> None:
+        call = stub.Stream(_request(f"direct-{i}", 2000))
+        try:
+            for n, _ in enumerate(call):
+                if n == 0:
+                    started.wait(120)
+            outcomes[f"direct-{i}"] = "finished"
+        except grpc.RpcError as exc:
+            outcomes[f"direct-{i}"] = (exc.code(), exc.details())
+
+    def through_frontend(i: int) -> None:
+        with TandemClient(frontend) as c:
+            try:
+                for n, _ in enumerate(c.stream(f"Tell a long story {i}:", max_tokens=2000, temperature=0.0,
+                                               ignore_eos=True)):
+                    if n == 0:
+                        started.wait(120)
+                outcomes[f"frontend-{i}"] = "finished"
+            except grpc.RpcError as exc:
+                outcomes[f"frontend-{i}"] = (exc.code(), exc.details())
+
+    threads = [threading.Thread(target=direct, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=through_frontend, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    started.wait(120)  # every stream has its first tokens: all four are in flight
+    os.kill(core_pid, signal.SIGKILL)
+    health = health_pb2_grpc.HealthStub(channel)
+    seen_not_serving = False
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not seen_not_serving:
+        try:
+            r = health.Check(health_pb2.HealthCheckRequest(service=ENGINE_SERVICE), timeout=1)
+            seen_not_serving = r.status != health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            seen_not_serving = True  # already shut down: not serving either
+        time.sleep(0.02)
+    for t in threads:
+        t.join(60)
+    channel.close()
+    assert seen_not_serving
+    assert len(outcomes) == 4, outcomes
+    for name, outcome in outcomes.items():
+        assert outcome != "finished", name
+        code, details = outcome
+        assert code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), (name, outcome)
+        if name.startswith("direct"):
+            assert "engine core" in details and "died" in details, outcome
+    # The engine service exits non-zero, and `tandem serve` follows.
+    assert server.proc.wait(60) != 0
+
+
+def test_slow_consumer_does_not_slow_the_core(launch_serve):
+    _, _, engine_addr = launch_serve(["--max-num-seqs", "8"])
+    channel = grpc.insecure_channel(engine_addr, options=[("grpc.http2.bdp_probe", 0)])
+    stub = engine_pb2_grpc.EngineStub(channel)
+    n, max_tokens = 4, 48
+    # Logprobs make every message large, so a consumer that never reads fills gRPC's flow-control
+    # window after a few dozen steps; from then on the server cannot send to it at all.
+    sampling = dict(logprobs=20)
+
+    def run(prefix: str, read: bool) -> tuple[float, int, list]:
+        before = _stats(stub)
+        t0 = time.monotonic()
+        calls = [stub.Stream(_request(f"{prefix}-{i}", max_tokens, **sampling)) for i in range(n)]
+        if read:
+            for call in calls:
+                for _ in call:
+                    pass
+        want = before["generation_tokens_total"] + n * max_tokens
+        while True:  # the core's own counters say when it has generated every token
+            now = _stats(stub)
+            if now["generation_tokens_total"] >= want and now["num_running"] == 0:
+                break
+            assert time.monotonic() - t0 < 300, now
+            time.sleep(0.05)
+        elapsed = time.monotonic() - t0
+        return elapsed, int(now["steps_total"] - before["steps_total"]), calls
+
+    run("warm", read=True)
+    base_s, base_steps, _ = run("fast", read=True)
+    slow_s, slow_steps, calls = run("slow", read=False)  # nobody has read a single message yet
+    # The same work took as many steps (give or take admission landing a step apart) and not much
+    # longer: the core never waited on the consumers (a core that did would stall once their
+    # flow-control windows filled, and never finish).
+    assert abs(slow_steps - base_steps) <= n, (slow_steps, base_steps)
+    assert slow_s < 2.0 * base_s + 2.0, (slow_s, base_s)
+    # Everything is still delivered, coalesced, once the consumers read.
+    for call in calls:
+        msgs = list(call)
+        assert sum(len(m.token_ids) for m in msgs) == max_tokens
+        assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    channel.close()
+
+
+def test_kv_transfer_params_round_trip_through_the_core(serve):
+    channel = grpc.insecure_channel(serve["engine"])
+    stub = engine_pb2_grpc.EngineStub(channel)
+    params = struct_pb2.Struct()
+    params.update({"do_remote_decode": True, "remote_engine_id": "prefill-0", "remote_block_ids": [4, 5, 6],
+                   "remote_host": "10.1.2.3", "remote_port": 5600, "transfer_id": "t-1", "nested": {"a": [1, "b"]}})
+    req = _request("kv-stream", 3)
+    req.kv_transfer_params.CopyFrom(params)
+    msgs = list(stub.Stream(req))
+    assert all(not m.HasField("kv_transfer_params") for m in msgs[:-1])
+    assert msgs[-1].kv_transfer_params == params  # typed in the core, back as the same Struct
+    req.request_id = "kv-generate"
+    assert stub.Generate(req).kv_transfer_params == params
+    plain = stub.Generate(_request("kv-none", 2))
+    assert not plain.HasField("kv_transfer_params")
+    bad = _request("kv-bad", 2)
+    bad.kv_transfer_params.update({"remote_port": "not a port"})
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_transfer_params" in err.value.details()
+    # Through the frontend too: it passes them on untouched and returns the engine's copy.
+    with TandemClient(serve["frontend"]) as c:
+        reply = c.generate("Hello", max_tokens=2, kv_transfer_params={"do_remote_prefill": True, "x": "y"})
+    assert dict(reply.kv_transfer_params) == {"do_remote_prefill": True, "x": "y"}
+    channel.close()

@@ -1,0 +1,162 @@
+"""One configuration source: dataclass fields -> flags, TANDEM_* variables and --config keys.
+
+Every flag of every subcommand has a help line with its default; precedence is command line >
+environment > config file > default; `tandem serve` reproduces its engine configuration in the
+engine child's argv; the benchmarks build their engine configuration from the same fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from tandem import options
+from tandem.cli import build_parser
+from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+
+def _all_parsers(parser: argparse.ArgumentParser, path: str = "tandem"):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _all_parsers(sub, f"{path} {name}")
+
+
+def test_every_flag_of_every_subcommand_has_help_with_its_default():
+    parser = build_parser()
+    seen = 0
+    for path, p in _all_parsers(parser):
+        for action in p._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            seen += 1
+            text = action.help or ""
+            assert len(text) > 20, f"{path} {action.option_strings[0]}: no real help line"
+            assert "(default: " in text, f"{path} {action.option_strings[0]}: default not shown: {text!r}"
+            formatter = p._get_formatter()
+            formatter._expand_help(action)  # the help renders (no stray % specifiers)
+    assert seen > 150  # serve, engine, frontend, generate, chat and the bench commands
+
+
+def test_help_names_the_environment_variable_and_never_a_secret(monkeypatch):
+    monkeypatch.setenv("TANDEM_AUTH_TOKEN", "s3cret-token")
+    text = _all_help()
+    assert "TANDEM_MAX_NUM_SEQS" in text and "TANDEM_PORT" in text
+    assert "s3cret-token" not in text
+
+
+def _all_help() -> str:
+    return "\n".join(p.format_help() for _, p in _all_parsers(build_parser()))
+
+
+def test_precedence_command_line_over_environment_over_config_over_default(tmp_path):
+    cfg = tmp_path / "tandem.yaml"
+    cfg.write_text("max-num-seqs: 7\nblock_size: 32\nno-prefix-caching: true\nport: 6000\n")
+    parser = build_parser()
+    # default only
+    args = options.parse_args(parser, ["engine"], environ={})
+    assert (args.max_num_seqs, args.block_size, args.port) == (64, 16, 50052)
+    # config file
+    args = options.parse_args(build_parser(), ["engine", "--config", str(cfg)], environ={})
+    assert (args.max_num_seqs, args.block_size, args.enable_prefix_caching, args.port) == (7, 32, False, 6000)
+    # environment beats the file
+    env = {"TANDEM_MAX_NUM_SEQS": "9", "TANDEM_NO_PREFIX_CACHING": "0"}
+    args = options.parse_args(build_parser(), ["engine", "--config", str(cfg)], environ=env)
+    assert (args.max_num_seqs, args.block_size, args.enable_prefix_caching) == (9, 32, True)
+    # the command line beats both
+    args = options.parse_args(build_parser(), ["engine", "--config", str(cfg), "--max-num-seqs", "11"], environ=env)
+    assert args.max_num_seqs == 11
+
+
+def test_environment_lists_booleans_and_root_flags():
+    env = {"TANDEM_ENGINE": "10.0.0.1:1,10.0.0.2:2", "TANDEM_ENABLE_REFLECTION": "yes", "TANDEM_LOG_LEVEL": "debug"}
+    args = options.parse_args(build_parser(), ["frontend"], environ=env)
+    assert args.engine == ["10.0.0.1:1", "10.0.0.2:2"]
+    assert args.enable_reflection is True
+    assert args.log_level == "debug"
+
+
+@pytest.mark.parametrize("argv,env,text,needle", [
+    (["engine"], {"TANDEM_MAX_NUM_SEQS": "many"}, None, "TANDEM_MAX_NUM_SEQS"),
+    (["engine"], {"TANDEM_DTYPE": "int3"}, None, "TANDEM_DTYPE"),
+    (["engine"], {"TANDEM_ENFORCE_EAGER": "maybe"}, None, "TANDEM_ENFORCE_EAGER"),
+    (["engine", "--config", "{cfg}"], {}, "max-num-seqs: 4\nwarp-drive: on\n", "warp-drive"),
+    (["engine", "--config", "{cfg}"], {}, "- a list\n", "mapping"),
+    (["engine", "--config", "/nonexistent/tandem.yaml"], {}, None, "/nonexistent/tandem.yaml"),
+])
+def test_bad_environment_or_config_values_name_their_source(tmp_path, capsys, argv, env, text, needle):
+    cfg = tmp_path / "c.yaml"
+    if text is not None:
+        cfg.write_text(text)
+    argv = [a.replace("{cfg}", str(cfg)) for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        options.parse_args(build_parser(), argv, environ=env)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_serve_passes_its_engine_configuration_to_the_child_unchanged():
+    argv = ["serve", "--model", "dummy:tiny-qwen3", "--dtype", "float32", "--max-model-len", "512",
+            "--num-kv-blocks", "40", "--cpu-kv-cache-gb", "0.25", "--no-prefix-caching", "--enforce-eager",
+            "--max-num-seqs", "3", "--overlap-scheduling", "off", "--generation-config", "none", "--seed", "5"]
+    serve = options.parse_args(build_parser(), argv, environ={})
+    config = options.engine_config_from_args(serve)
+    child = options.parse_args(build_parser(), ["engine", *options.engine_argv(config)], environ={})
+    assert options.engine_config_from_args(child) == config
+    assert config.cache.cpu_kv_cache_bytes == 1 << 28 and config.cache.enable_prefix_caching is False
+    assert config.model.generation_config == "none" and config.scheduler.max_num_seqs == 3
+    # and the defaults of the flags are the dataclasses' defaults (one source)
+    defaults = options.engine_config_from_args(options.parse_args(build_parser(), ["engine"], environ={}))
+    assert defaults == EngineConfig(ModelConfig(), CacheConfig(), SchedulerConfig())
+
+
+def test_every_user_settable_engine_field_is_a_flag():
+    flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["engine"]._actions}
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        for f in dataclasses.fields(cls):
+            if "help" in f.metadata:
+                assert f.name in flags, f.name
+
+
+def test_benchmarks_build_their_engine_from_the_same_fields():
+    args = options.parse_args(build_parser(), ["bench", "throughput", "--max-num-seqs", "8", "--block-size", "32"],
+                              environ={})
+    config = options.engine_config_from_args(args)
+    assert config.scheduler.max_num_seqs == 8 and config.cache.block_size == 32
+    assert config.model.model.startswith("dummy:")  # the benchmark's own default model
+    env_args = options.parse_args(build_parser(), ["bench", "serve"], environ={"TANDEM_MAX_NUM_BATCHED_TOKENS": "512"})
+    assert options.engine_config_from_args(env_args).scheduler.max_num_batched_tokens == 512
+
+
+def test_operations_doc_flag_tables_match_the_parser():
+    from pathlib import Path
+
+    from tandem.flag_docs import update_docs
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+    assert update_docs(str(doc), check=True), "run `python -m tandem.flag_docs` to regenerate the tables"
+
+
+def test_config_file_lists_and_flags_before_the_subcommand(tmp_path):
+    cfg = tmp_path / "frontend.yaml"
+    cfg.write_text("engine: [10.0.0.1:50052, 10.0.0.2:50052]\nlog-level: warning\nworkers: 2\n")
+    args = options.parse_args(build_parser(), ["frontend", "--config", str(cfg)], environ={})
+    assert args.engine == ["10.0.0.1:50052", "10.0.0.2:50052"] and args.workers == 2
+    assert args.log_level == "warning"
+
+
+def test_serve_does_not_hand_its_own_variables_to_the_engine_child(monkeypatch):
+    from tandem import cli
+
+    monkeypatch.setenv("TANDEM_PORT", "6000")  # meant for serve's frontend
+    monkeypatch.setenv("TANDEM_TLS_CERT", "/etc/frontend.pem")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", "/cache")  # same meaning in both processes
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "2")  # not a flag
+    args = options.parse_args(build_parser(), ["serve"])
+    env = cli._child_env(args.engine_parser)
+    assert "TANDEM_PORT" not in env and "TANDEM_TLS_CERT" not in env
+    assert env["TANDEM_CACHE_DIR"] == "/cache" and env["TANDEM_TORCH_THREADS"] == "2"
+    assert args.port == 6000
