@@ -75,7 +75,8 @@ class LLMEngine:
             BlockManager.from_plan(plan, config.cache.enable_prefix_caching) if plan is not None
             else BlockManager(self.runner.num_blocks, self.runner.block_size, config.cache.enable_prefix_caching)
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   device_type=self.runner.device.type)
         self.sampler = Sampler(vocab_size=self.runner.vocab_size)
         # One block table per paged cache group travels in every plan and lives in every row.
         num_cache_groups = len(self.block_manager.pools)
@@ -236,4 +237,5 @@ class LLMEngine:
             finished_requests_total=self.counters.finished_requests,
             aborted_requests_total=self.counters.aborted_requests,
             overlap_scheduling=self.overlap,
+            max_prefill_tokens_per_seq=self.scheduler.prefill_cap,
         )

@@ -5,6 +5,13 @@ a token budget; every scheduled sequence gets `min(tokens it still has to comput
 left)`. A sequence in the middle of its prompt and a sequence decoding its next token differ
 only in that count. Running sequences go first (in arrival order), then waiting ones (FIFO).
 
+Fairness under long prompts: one sequence's prompt chunk is capped per step
+(`SchedulerConfig.max_prefill_tokens_per_seq`), so a long prompt is spread over several steps
+and a request that arrives meanwhile is admitted in the next step instead of after the whole
+prompt; a step stays small enough that the newcomer's first token is one short step away. A
+prompt chunk also leaves one token of the budget for every running decode after it, so decodes
+are never starved by prefill.
+
 One step, as driven by the engine:
 
     out = scheduler.schedule()
@@ -79,7 +86,8 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+        device_type: str = "cuda",
     ) -> None:
         config.validate()
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
@@ -91,6 +99,8 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        # Per-sequence prompt tokens of one step (0: none); only chunked prefill can split prompts.
+        self.prefill_cap = config.prefill_cap(device_type) if config.enable_chunked_prefill else 0
         # Both stay sorted by arrival: admission is FIFO and preempted sequences (always the
         # latest running ones) go back to the front of `waiting`.
         self.waiting: deque[Sequence] = deque()
@@ -153,9 +163,13 @@ class Scheduler:
         """Schedules running sequences; returns the budget left and how many running sequences
         end with their pending token (counted over all of them whenever budget is left)."""
         i = num_ending = 0
+        # Decodes not yet passed keep one token each of the budget from earlier prefill chunks.
+        reserved = self._count_decodes()
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            is_decode = seq.num_uncomputed_tokens == 1
+            reserved -= is_decode
+            num_new = self._chunk_size(seq.num_uncomputed_tokens, budget, reserved)
             ending = seq.num_pending_tokens > 0 and seq.reached_length_limit(self.max_model_len)
             if num_new == 0 or ending:
                 # An ending sequence needs no further step; it leaves `running` when its pending
@@ -170,6 +184,8 @@ class Scheduler:
                     self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
                     break
                 # Everything after index i is unscheduled and arrived later than `seq`.
+                # A preempted decode keeps its reserved token: the reserve may leave a few tokens
+                # unused in a step that preempts (which admits nothing anyway).
                 victim = self.running.pop()
                 self._preempt(out, victim)
                 if victim is seq:
@@ -179,6 +195,24 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget, num_ending
+
+    def _count_decodes(self) -> int:
+        """Running sequences with exactly one token to compute (decodes)."""
+        return sum(1 for seq in self.running if seq.num_uncomputed_tokens == 1)
+
+    def _chunk_size(self, num_todo: int, budget: int, reserved: int) -> int:
+        """Tokens a sequence with `num_todo` tokens to compute gets this step.
+
+        A decode (one token) gets it whenever budget is left. A prompt chunk is at most
+        `prefill_cap` tokens (with chunked prefill; 0: no cap) and leaves `reserved`
+        tokens for the running decodes scheduled after it, so prefill never starves a decode.
+        """
+        if num_todo <= 1:
+            return min(num_todo, budget)
+        num_new = min(num_todo, budget - reserved)
+        if self.prefill_cap:
+            num_new = min(num_new, self.prefill_cap)
+        return max(num_new, 0)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, num_ending: int) -> None:
         bm = self.block_manager
@@ -195,7 +229,7 @@ class Scheduler:
             num_todo = seq.num_tokens - bm.match_prefix(seq)
             if not self.config.enable_chunked_prefill and num_todo > budget:
                 break
-            num_new = min(num_todo, budget)
+            num_new = self._chunk_size(num_todo, budget, 0)
             if not bm.allocate(seq, num_new):
                 if not self.running:
                     # The whole pool is free or evictable and this still does not fit.

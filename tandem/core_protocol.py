@@ -249,6 +249,7 @@ class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):
     finished_requests_total: int = 0
     aborted_requests_total: int = 0
     overlap_scheduling: bool = False
+    max_prefill_tokens_per_seq: int = 0  # the fair-prefill cap in effect (0: none)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)

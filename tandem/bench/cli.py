@@ -1,4 +1,4 @@
-"""`tandem bench roofline|throughput|serve|overhead|transport|report`: argument parsing and the run wrapper.
+"""`tandem bench roofline|throughput|serve|overhead|transport|soak|report`: argument parsing and the run wrapper.
 
 Each measuring subcommand writes `<out>/<kind>-<model>-<timestamp>.json` (default out:
 `bench/results/`), even when parts of it failed (they are listed under `errors`), and prints
@@ -27,6 +27,16 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _caps(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
     return values
 
 
@@ -164,7 +174,36 @@ def add_bench_parser(sub: Any) -> None:
                         "--engine-core/--engine-transport/--frontend-workers")
     g.add_argument("--client-procs", type=_count_or_auto, default=1,
                    help="load-generator processes sharing each level's concurrency; 'auto' = min(4, cores // 4)")
+    g = srv.add_argument_group("mixed workload (--mixed): long prompts arriving during decode traffic")
+    g.add_argument("--mixed", action="store_true",
+                   help="run the mixed workload once per --prefill-caps value instead of the concurrency levels")
+    g.add_argument("--prefill-caps", type=_caps, default=[0, 512],
+                   help="--max-prefill-tokens-per-seq of each run; 0 = no cap, the scheduler before fair "
+                        "prefill (default: 0,512)")
+    g.add_argument("--mixed-decode-streams", type=int, default=32, help="closed-loop decode streams")
+    g.add_argument("--mixed-decode-output-len", type=int, default=512)
+    g.add_argument("--mixed-long-prompts", type=int, default=8)
+    g.add_argument("--mixed-long-prompt-len", type=int, default=8000, help="clipped to the model's context")
+    g.add_argument("--mixed-long-interval", type=float, default=2.0, help="seconds between long prompts")
+    g.add_argument("--mixed-short-requests", type=int, default=40)
+    g.add_argument("--mixed-short-prompt-len", type=int, default=32)
+    g.add_argument("--mixed-short-interval", type=float, default=0.4, help="seconds between short requests")
+    g.add_argument("--mixed-seconds", type=float, default=180.0, help="time limit of each run")
     srv.set_defaults(fn=cmd_bench, bench_fn=_serve)
+
+    soak = bsub.add_parser("soak", help="random cancels, aborts, deadlines, n>1, stops and bad inputs, then a leak check")
+    _common(soak, "smollm2-135m-instruct", 3600.0)
+    g = soak.add_argument_group("soak")
+    g.add_argument("--address", default=None,
+                   help="frontend HOST:PORT of a running server (default: start `tandem serve` with the engine flags)")
+    g.add_argument("--requests", type=_ints_one, default=1000, help="calls to make")
+    g.add_argument("--concurrency", type=_ints_one, default=16, help="calls in flight at once")
+    g.add_argument("--soak-seconds", type=float, default=None, help="stop starting calls after this long")
+    g.add_argument("--soak-max-tokens", type=_ints_one, default=24, help="most tokens a call asks for")
+    g.add_argument("--soak-seed", type=int, default=0)
+    g.add_argument("--startup-timeout", type=float, default=600.0)
+    g.add_argument("--tokenizer", default=None, help="tokenizer for a started server (default: the model's)")
+    soak.set_defaults(fn=cmd_bench, bench_fn=_soak)
 
     ovh = bsub.add_parser("overhead", help="host (CPU) time per engine step at N running sequences, model-free")
     _common(ovh, "host-only", 300.0)
@@ -273,6 +312,9 @@ def _throughput(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline
 def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import serve
 
+    if args.mixed:
+        return _mixed(record, tandem_cli, args, deadline)
+
     options = serve.ServeOptions(
         workload=args.workload, scale=args.scale, concurrencies=args.concurrency,
         requests_per_level=args.requests_per_level, level_seconds=args.level_seconds,
@@ -282,6 +324,36 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         also_stacks=args.also_stacks)
     serve.run_serve(record, engine_config_from_args(args), engine_argv(engine_config_from_args(args)), options, deadline)
     return serve.short_table
+
+
+def _mixed(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import mixed
+
+    options = mixed.MixedOptions(
+        prefill_caps=args.prefill_caps, decode_streams=args.mixed_decode_streams,
+        decode_output_len=args.mixed_decode_output_len, num_long=args.mixed_long_prompts,
+        long_prompt_len=args.mixed_long_prompt_len, long_interval_s=args.mixed_long_interval,
+        num_short=args.mixed_short_requests, short_prompt_len=args.mixed_short_prompt_len,
+        short_interval_s=args.mixed_short_interval, run_seconds=args.mixed_seconds,
+        startup_timeout=args.startup_timeout, tokenizer=args.tokenizer)
+    mixed.run_mixed(record, engine_config_from_args(args), engine_argv(engine_config_from_args(args)), options, deadline)
+    return mixed.short_table
+
+
+def _soak(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import soak
+
+    options = soak.SoakOptions(num_requests=args.requests, concurrency=args.concurrency,
+                               max_seconds=args.soak_seconds, max_tokens=args.soak_max_tokens, seed=args.soak_seed)
+    if args.address:
+        record.results["soak"] = soak.run_soak(args.address, options)
+    else:
+        record.results["soak"] = soak.run_soak_with_server(
+            engine_config_from_args(args), engine_argv(engine_config_from_args(args)), options, args.tokenizer,
+            min(args.startup_timeout, max(deadline.remaining(), 1.0)))
+    if not record.results["soak"]["passed"]:
+        record.add_error("soak", RuntimeError("soak failed: unexpected outcomes, per-call violations or leaks"))
+    return soak.short_table
 
 
 def _transport(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:

@@ -254,6 +254,9 @@ def _headline(data: dict[str, Any]) -> str:
         return f"{_num(res.get('ours', {}).get('output_tokens_per_s'))} out tok/s, ratio {_num(r, '.2f', '×')}"
     if kind == "overhead":
         return f"{len(res.get('points', []))} batch sizes"
+    if kind == "soak":
+        soak = res.get("soak") or {}
+        return f"{soak.get('calls', 0)} calls, {'pass' if soak.get('passed') else 'FAIL'}"
     if kind == "transport":
         return f"{len(res.get('points', []))} transport points"
     levels = [lv for lv in res.get("levels", []) if lv.get("served", {}).get("output_tokens_per_s")]

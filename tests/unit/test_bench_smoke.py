@@ -562,3 +562,42 @@ def test_overhead_bench_times_decode_steps_with_every_sequence_running():
     assert point["running_during_timing"] == 12  # every sequence was decoding while timed
     assert point["steps_timed"] == 5
     assert 0 < point["host_ms_min"] <= point["host_ms_median"] <= point["host_ms_p90"]
+
+
+def test_serve_mixed_workload_runs_once_per_prefill_cap(tmp_path, one_torch_thread, monkeypatch):
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "1")
+    rc, data = _run_bench("serve", "--mixed", "--model", TINY, "--prefill-caps", "0,8", "--cpu-kv-cache-gb", "0.01",
+                          "--mixed-decode-streams", "2", "--mixed-decode-output-len", "6", "--mixed-long-prompts", "2",
+                          "--mixed-long-prompt-len", "200", "--mixed-long-interval", "0.2",
+                          "--mixed-short-requests", "3", "--mixed-short-prompt-len", "8", "--mixed-short-interval",
+                          "0.2", "--mixed-seconds", "120", "--out", str(tmp_path))
+    assert rc == 0, data["errors"]
+    mixed = data["results"]["mixed"]
+    assert mixed["options"]["long_prompt_len"] == 200
+    runs = mixed["runs"]
+    assert [r["prefill_cap"] for r in runs] == [0, 8]
+    assert [r["engine_prefill_cap"] for r in runs] == [0, 8]  # the flag reached each served engine
+    for run in runs:
+        assert not run["timed_out"] and run["errors"] == []
+        assert run["short_completed"] == 3 and run["long_completed"] == 2
+        assert run["short_ttft_ms"]["count"] == 3 and run["long_ttft_ms"]["count"] == 2
+        assert run["decode_itl_ms"]["count"] > 0 and run["decode_itl_ms"]["p99"] > 0
+    from tandem.bench.mixed import short_table
+
+    table = short_table(data["results"])
+    assert len(table) == 3 and "(off)" in table[1]
+
+
+def test_soak_leak_check_reports_what_is_still_held():
+    from tandem.bench.soak import leaks
+
+    idle = {"frontend": {"in_flight": 0, "in_flight_choices": 0},
+            "engines": {"e1": {"num_running": 0, "num_waiting": 0, "in_flight": 0, "kv_blocks_used": 0,
+                               "kv_blocks_total": 100, "state_slots_used": 0}}}
+    assert leaks(idle) == {}
+    held = json.loads(json.dumps(idle))
+    held["frontend"]["in_flight_choices"] = 2
+    held["engines"]["e1"]["kv_blocks_used"] = 3
+    held["engines"]["e1"]["state_slots_used"] = 1
+    assert leaks(held) == {"frontend.in_flight_choices": 2, "e1.kv_blocks_used": 3, "e1.state_slots_used": 1}
+    assert leaks({"engines": {"e2": {"error": "UNAVAILABLE"}}}) == {"e2.error": "UNAVAILABLE"}

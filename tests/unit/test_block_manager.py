@@ -110,6 +110,61 @@ def test_chained_hash_needs_matching_parent() -> None:
     assert hash_block(None, [1, 2, 3, 4]) != hash_block(None, [1, 2, 3, 5])
 
 
+def test_equal_block_after_different_prefixes_never_shares_kv() -> None:
+    """A cached block's K/V depend on every token before it, not only on its own ids: a block
+    with the same ids after a different prefix must never be handed out as a hit."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    p1, p2, shared = [1, 1, 1, 1], [2, 2, 2, 2], [5, 6, 7, 8]
+    a = make_seq("a", p1 + shared + [0])
+    prefill(bm, a)
+    a_blocks = list(a.block_table)
+    bm.free(a)
+    b = make_seq("b", p2 + shared + [0])
+    assert prefill(bm, b) == 0
+    b_blocks = list(b.block_table)
+    bm.free(b)
+    # Both a's and b's blocks stay cached; a prompt after p2 must get b's K/V for `shared`.
+    d = make_seq("d", p2 + shared + [3])
+    assert prefill(bm, d) == 8
+    assert d.block_table[:2] == b_blocks[:2]
+    assert a_blocks[1] not in d.block_table
+    # The hash of a child block depends on the parent's value, not only on having one.
+    parent1, parent2 = hash_block(None, p1), hash_block(None, p2)
+    assert hash_block(parent1, shared) != hash_block(parent2, shared)
+
+
+def test_every_hit_block_was_written_after_the_same_prefix() -> None:
+    """Randomized: record for every written block the full token prefix it was computed from;
+    every prefix hit must come from a block computed from exactly the requester's prefix."""
+    import random
+
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=24, block_size=BS)
+    written: dict[int, list[int]] = {}  # block id -> tokens 0..end of block when it was written
+    live: list[Sequence] = []
+    blocks_pool = [[rng.randrange(3) for _ in range(BS)] for _ in range(4)]
+    num_hits = 0
+    for i in range(400):
+        if live and (rng.random() < 0.5 or bm.num_free_blocks < 6):
+            bm.free(live.pop(rng.randrange(len(live))))
+            continue
+        tokens = [t for _ in range(rng.randint(1, 4)) for t in rng.choice(blocks_pool)] + [9]
+        seq = make_seq(f"s{i}", tokens)
+        hits = bm.match_prefix(seq)
+        if not bm.allocate(seq, seq.num_tokens - hits):
+            continue
+        for j in range(hits // BS):
+            block_id = seq.block_table[j]
+            assert written[block_id] == tokens[: (j + 1) * BS], "K/V of another prefix shared"
+        num_hits += hits // BS
+        for j in range(hits // BS, seq.num_tokens // BS):  # blocks this prefill writes
+            written[seq.block_table[j]] = tokens[: (j + 1) * BS]
+        seq.num_computed_tokens = seq.num_tokens
+        bm.commit(seq)
+        live.append(seq)
+    assert num_hits > 50
+
+
 def test_never_the_whole_prompt() -> None:
     bm = BlockManager(num_blocks=16, block_size=BS)
     a = make_seq("a", list(range(8)))
@@ -315,5 +370,60 @@ def test_block_token_counts_and_double_free() -> None:
     table = list(s.block_table)
     bm.free(s)
     s.block_table = table
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"^block \d+ freed more often than allocated$"):
         bm.free(s)
+
+
+# -- found by mutation testing (docs/testing.md) ------------------------------------------------
+
+
+def test_constructor_bounds() -> None:
+    bm = BlockManager(num_blocks=1, block_size=1)  # the smallest pool is valid
+    assert bm.num_free_blocks == 1
+    with pytest.raises(ValueError, match="^num_blocks must be >= 1$"):
+        BlockManager(num_blocks=0, block_size=4)
+    with pytest.raises(ValueError, match="^block_size must be >= 1$"):
+        BlockManager(num_blocks=4, block_size=0)
+
+
+def test_zero_new_tokens_takes_only_the_hits_and_negative_is_refused() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    prefill(bm, make_seq("a", list(range(9))))
+    s = make_seq("s", list(range(9)))
+    with pytest.raises(ValueError, match="^num_new_tokens must be >= 0$"):
+        bm.can_allocate(s, -1)
+    assert bm.allocate(s, 0)  # only the prefix hits: two full blocks
+    assert s.num_computed_tokens == 8 and len(s.block_table) == 2
+    assert bm.allocate(s, 0) and len(s.block_table) == 2  # nothing more to cover
+
+
+def test_lookup_stops_at_the_first_missing_block() -> None:
+    """A later block matching after a miss must not hit: its parent differs, and the hit list
+    has to be a contiguous prefix of the block table."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    prefill(bm, make_seq("ab", a + b + [0]))
+    assert bm.match_prefix(make_seq("axb", a + [9, 9, 9, 9] + b + [0])) == 4
+    s = make_seq("axb2", a + [9, 9, 9, 9] + b + [0])
+    assert prefill(bm, s) == 4
+
+
+def test_reset_clears_every_hash_and_the_pool_stays_usable() -> None:
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    held = make_seq("held", list(range(9)))
+    prefill(bm, held)  # 2 cached blocks in use (+1 partial)
+    idle = make_seq("idle", [7] * 5)
+    prefill(bm, idle)
+    bm.free(idle)  # 1 cached block evictable (+1 partial, back on the free list)
+    assert bm.reset_prefix_cache()
+    assert all(blk.hash is None for blk in bm.blocks)
+    bm.free(held)  # blocks without a hash go back to the free list, not the evictable set
+    assert bm.num_free_blocks == 6 and bm.num_cached_blocks == 0
+    for round_ in range(2):  # fill and empty the whole pool twice (eviction path included)
+        seqs = [make_seq(f"r{round_}{i}", [round_ * 10 + i] * 4) for i in range(6)]
+        for q in seqs:
+            prefill(bm, q)
+        assert bm.num_free_blocks == 0
+        for q in seqs:
+            bm.free(q)
+    assert bm.num_free_blocks == 6

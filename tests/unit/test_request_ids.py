@@ -91,21 +91,26 @@ def test_internal_ids_unique_over_10k() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad",
-    ["", "x" * 257, "tab\there", "newline\n", "naïve", "emoji🙂", "\x7f"],
+    "bad,message",
+    [("", "must not be empty"), ("x" * 257, "is 257 characters long; the limit is 256"),
+     ("tab\there", "only printable ASCII"), ("newline\n", "only printable ASCII"), ("naïve", "only printable ASCII"),
+     ("emoji🙂", "only printable ASCII"), ("\x7f", "only printable ASCII")],
 )
-def test_external_id_validation(bad: str) -> None:
-    with pytest.raises(ValueError):
+def test_external_id_validation(bad: str, message: str) -> None:
+    # The message reaches the client (INVALID_ARGUMENT details), so it must name the rule.
+    with pytest.raises(ValueError, match=f"^request id .*{re.escape(message)}.*$"):
         RequestIdMap(replica_prefix="r").register(bad, 1)
+    with pytest.raises(ValueError, match="^request id must be a string, got int$"):
+        RequestIdMap(replica_prefix="r").register(7, 1)  # type: ignore[arg-type]
 
 
 def test_external_id_limits_accepted() -> None:
     ids = RequestIdMap(replica_prefix="r")
     ids.register("x" * 256, 1)
     ids.register(" ~!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}", 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^n must be >= 1, got 0$"):
         ids.register("ok", 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^" + re.escape("replica prefix must be 1-64 characters from [A-Za-z0-9._-]") + "$"):
         RequestIdMap(replica_prefix="has space")
 
 
@@ -165,3 +170,38 @@ def test_abort_is_recorded_from_registration_and_respects_the_owner() -> None:
     assert ids.abort("owned", caller="bob", override=True) == owned.internal_ids  # an admin
     ids.release("job")
     assert not ids.is_aborted("job") and ids.abort("job", caller="alice") is None
+
+
+# -- found by mutation testing (docs/testing.md) ------------------------------------------------
+
+
+def test_defaults_one_choice_generated_id_and_frozen_registration() -> None:
+    from dataclasses import FrozenInstanceError
+
+    reg = RequestIdMap(replica_prefix="r").register(None)
+    assert len(reg.internal_ids) == 1 and "-" not in reg.internal_ids[0].removeprefix("r-")
+    assert re.fullmatch(r"req-[0-9a-f]{32}", reg.external_id)
+    with pytest.raises(FrozenInstanceError):
+        reg.external_id = "other"  # type: ignore[misc]
+
+
+def test_duplicate_message_names_the_id() -> None:
+    ids = RequestIdMap(replica_prefix="r")
+    ids.register("abc")
+    with pytest.raises(DuplicateRequestId, match="^" + re.escape("request id 'abc' is already in flight") + "$"):
+        ids.register("abc")
+
+
+@pytest.mark.parametrize(
+    "hostname,host",
+    [("node-1.example", "node-1.example"), ("my host!!x", "my-host-x"), ("--weird--", "weird"), ("", "host"),
+     ("!!!", "host"), ("h" * 50, "h" * 40), ("Xbox-", "Xbox")],
+)
+def test_default_prefix_cleans_the_hostname(monkeypatch, hostname: str, host: str) -> None:
+    import os
+    import socket
+
+    from tandem.frontend.request_ids import default_replica_prefix
+
+    monkeypatch.setattr(socket, "gethostname", lambda: hostname)
+    assert default_replica_prefix() == f"{host}-{os.getpid()}"

@@ -67,9 +67,11 @@ class Driver:
         chunked: bool = True,
         caching: bool = True,
         max_model_len: int | None = None,
+        prefill_cap: int = 0,
     ) -> None:
         self.config = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+            max_prefill_tokens_per_seq=prefill_cap,
         )
         # Without chunked prefill the scheduler requires max_model_len <= the step budget.
         self.max_model_len = max_model_len or (10_000 if chunked else budget)
@@ -371,11 +373,13 @@ def test_waiting_tokens_and_duplicate_ids() -> None:
 
 
 @pytest.mark.parametrize(
-    "chunked,caching,budget", [(True, True, 16), (True, False, 16), (False, True, 32), (False, False, 32)]
+    "chunked,caching,budget,cap",
+    [(True, True, 16, 0), (True, False, 16, 0), (False, True, 32, 0), (False, False, 32, 0), (True, True, 16, 3),
+     (True, False, 12, 5)],
 )
-def test_randomized_invariants(chunked: bool, caching: bool, budget: int) -> None:
+def test_randomized_invariants(chunked: bool, caching: bool, budget: int, cap: int) -> None:
     rng = random.Random(1234)
-    d = Driver(num_blocks=16, budget=budget, max_num_seqs=6, chunked=chunked, caching=caching)
+    d = Driver(num_blocks=16, budget=budget, max_num_seqs=6, chunked=chunked, caching=caching, prefill_cap=cap)
     bases = [[rng.randrange(8) for _ in range(rng.randint(8, 12))] for _ in range(3)]
     aborted: set[str] = set()
     n = 0
@@ -389,8 +393,14 @@ def test_randomized_invariants(chunked: bool, caching: bool, budget: int) -> Non
             victim = rng.choice(live)
             assert d.sched.abort(victim.request_id) is victim
             aborted.add(victim.request_id)
-        d.step()
+        decodes = [s for s in d.sched.running if s.num_uncomputed_tokens == 1]
+        out = d.step()
         check_invariants(d)
+        chunks = {id(item.seq): item.num_new_tokens for item in out.scheduled}
+        if cap and chunked:
+            assert all(item.num_new_tokens <= cap for item in out.scheduled)
+        if not out.preempted:  # every running decode got its token
+            assert all(id(s) in chunks for s in decodes)
     d.run()
     check_invariants(d)
     assert d.bm.num_used_blocks == 0
@@ -403,3 +413,94 @@ def test_randomized_invariants(chunked: bool, caching: bool, budget: int) -> Non
         else:
             assert s.finish_reason == FinishReason.LENGTH, s
             assert s.output_token_ids == expected_outputs(s, d.expected_len(s))
+
+
+def test_prefill_cap_spreads_a_long_prompt_and_admits_a_short_one_next_step() -> None:
+    d = Driver(budget=64, prefill_cap=8, num_blocks=64)
+    long = d.add("long", list(range(100)), max_tokens=2)
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens, s.sample) for s in out.scheduled] == [(long, 8, False)]
+    short = d.add("short", [7, 8, 9, 10, 11], max_tokens=3)
+    out = d.step()  # the newcomer's whole prompt runs beside the long prompt's next chunk
+    assert [(s.seq, s.num_new_tokens, s.sample) for s in out.scheduled] == [(long, 8, False), (short, 5, True)]
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens, s.sample) for s in out.scheduled] == [(long, 8, False), (short, 1, True)]
+    d.run()
+    assert long.output_token_ids == expected_outputs(long, 2)
+    assert short.output_token_ids == expected_outputs(short, 3)
+    assert d.bm.num_used_blocks == 0
+
+
+def test_prefill_cap_interleaves_two_long_prompts_and_chunks_a_waiting_one() -> None:
+    d = Driver(budget=20, prefill_cap=6, num_blocks=64, caching=False)
+    a = d.add("a", list(range(30)), max_tokens=1)
+    b = d.add("b", list(range(100, 130)), max_tokens=1)
+    c = d.add("c", list(range(200, 230)), max_tokens=1)
+    out = d.step()  # every prompt gets a chunk of the cap (2 tokens of budget stay unused)
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 6), (b, 6), (c, 6)]
+    steps = d.run()
+    assert steps == 4  # 30 tokens at 6 a step: 5 steps in all for each; none waits for another
+    assert all(s.output_token_ids == expected_outputs(s, 1) for s in (a, b, c))
+
+
+def test_prefill_cap_off_keeps_the_greedy_budget_use() -> None:
+    d = Driver(budget=64, prefill_cap=0)
+    long = d.add("long", list(range(100)), max_tokens=1)
+    d.add("short", [1, 2, 3], max_tokens=1)
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(long, 64)]
+
+
+def test_prefill_never_takes_a_running_decode_token() -> None:
+    d = Driver(budget=16, prefill_cap=0, num_blocks=64, caching=False)
+    long = d.add("long", list(range(40)), max_tokens=1)
+    dec = [d.add(f"d{i}", [i + 1, i + 2], max_tokens=5) for i in range(3)]
+    d.sched.waiting.rotate(-1)  # the short ones first: they become decodes behind the long prompt
+    d.step()
+    assert [s.num_uncomputed_tokens for s in dec] == [1, 1, 1]
+    assert d.sched.running[-1] is long  # admitted last, with the budget the decodes left
+    d.sched.running.insert(0, d.sched.running.pop())  # ... and now ahead of them in arrival order
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(long, 13)] + [(s, 1) for s in dec]
+
+
+def test_prefill_cap_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_prefill_tokens_per_seq"):
+        SchedulerConfig(max_prefill_tokens_per_seq=-1).validate()
+
+
+def test_prefill_cap_default_depends_on_the_device_and_needs_chunked_prefill() -> None:
+    assert SchedulerConfig().prefill_cap("cuda") == 512
+    assert SchedulerConfig().prefill_cap("cpu") == 16
+    assert SchedulerConfig(max_prefill_tokens_per_seq=0).prefill_cap("cpu") == 0
+    assert SchedulerConfig(max_prefill_tokens_per_seq=7).prefill_cap("cuda") == 7
+    bm = BlockManager(8, BS)
+    assert Scheduler(SchedulerConfig(), bm, 64, device_type="cpu").prefill_cap == 16
+    assert Scheduler(SchedulerConfig(), bm, 64).prefill_cap == 512  # the device defaults to CUDA
+    unchunked = SchedulerConfig(max_num_batched_tokens=64, enable_chunked_prefill=False, max_prefill_tokens_per_seq=8)
+    assert Scheduler(unchunked, bm, 64).prefill_cap == 0  # whole prompts only: nothing to cap
+
+
+
+def test_prefill_cap_of_one_chunks_even_a_two_token_prompt() -> None:
+    d = Driver(budget=8, prefill_cap=1)
+    seq = d.add("a", [5, 6], max_tokens=2)
+    plan = []
+    while d.sched.has_work():
+        plan.append([(s.num_new_tokens, s.sample) for s in d.step().scheduled])
+    assert plan == [[(1, False)], [(1, True)], [(1, True)]]
+    assert seq.output_token_ids == expected_outputs(seq, 2)
+
+
+def test_prefill_gets_nothing_when_the_decodes_after_it_need_the_whole_budget() -> None:
+    d = Driver(budget=16, prefill_cap=0, num_blocks=64, caching=False)
+    long = d.add("long", list(range(40)), max_tokens=1)
+    dec = [d.add(f"d{i}", [i + 1, i + 2], max_tokens=5) for i in range(3)]
+    d.sched.waiting.rotate(-1)
+    d.step()
+    d.sched.running.insert(0, d.sched.running.pop())  # the long prompt ahead of three decodes
+    d.config.max_num_batched_tokens = 3  # exactly one token per decode
+    before = long.num_computed_tokens
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(s, 1) for s in dec]
+    assert long.num_computed_tokens == before  # it waits for a step with budget left

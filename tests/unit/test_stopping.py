@@ -195,3 +195,12 @@ def test_matches_naive_reference_on_random_streams() -> None:
     # Every kind of ending was exercised.
     assert outcomes >= {(FinishReason.STOP, StopToken), (FinishReason.STOP, StopSequence),
                         (FinishReason.LENGTH, type(None))}
+
+
+def test_no_output_yet_is_never_a_stop() -> None:
+    # Found by mutation testing: with min_tokens 0 and no output, there is no newest token to
+    # inspect; only the length rules apply.
+    seq = Sequence("r", [EOS, 100], SamplingParams(max_tokens=5, stop_token_ids=[100]), eos_token_ids=(EOS,))
+    assert check_stop(seq, MAX_LEN) is False and not seq.is_finished
+    full = Sequence("f", [1, 2, 3], SamplingParams(max_tokens=5), eos_token_ids=(EOS,))
+    assert check_stop(full, max_model_len=3) is True and full.finish_reason == FinishReason.LENGTH

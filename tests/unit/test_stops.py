@@ -149,3 +149,24 @@ def test_held_text_stays_bounded_on_long_streams() -> None:
         total += m.feed("a").text
         assert i - len(total) < len(stop)
     assert total + m.flush() == "a" * 2000
+
+
+# -- found by mutation testing (docs/testing.md) ------------------------------------------------
+
+
+def test_results_and_state_before_any_match() -> None:
+    from dataclasses import FrozenInstanceError
+
+    from tandem.frontend.stops import StopResult
+
+    m = StopStringMatcher(["END"])
+    assert m.matched is None and m.finished is False
+    r = m.feed("abc")
+    assert r == StopResult("abc") and r.matched is None and r.finished is False
+    with pytest.raises(FrozenInstanceError):
+        r.text = "changed"  # results are values: a caller can keep them
+
+
+def test_empty_stop_string_message_names_the_rule() -> None:
+    with pytest.raises(ValueError, match="^stop strings must be non-empty strings$"):
+        StopStringMatcher([""])
