@@ -222,8 +222,9 @@ class CoreClient:
         self.stats_snapshot = batch.stats
         self._pending_requests -= batch.added_requests
         self._pending_tokens -= batch.added_tokens
-        if not batch.outputs:
+        if not batch.outputs and not batch.stepped:
             return
+        # A step that only computed prompt chunks has no outputs but still counts as a step.
         for listener in self.step_listeners:
             listener(batch.outputs, batch.step_time, batch.stepped, batch.timestamp)
         for o in batch.outputs:
