@@ -16,7 +16,11 @@ for part in "$@"; do
   case "$part" in
     kernels) timeout 150 $PY -m tandem.kernels.gpu_check --out "$OUT" ;;
     parity) timeout 200 $PY -m tandem.gpu_checks.model_parity --out "$OUT" ;;
+    # Windowed layers (two paged cache groups): reference vs Triton eager vs Triton graphs.
+    parity-sw) timeout 200 $PY -m tandem.gpu_checks.model_parity --model dummy:qwen3-0.6b-sw64 --out "$OUT/parity-sw" ;;
     roofline) timeout 200 $PY -m tandem.cli bench roofline --model dummy:qwen3-8b --max-model-len 8192 --max-seconds 180 --out "$OUT" ;;
+    # Acceptance 8: every layer on a 1k window; the floor counts only the window's K/V.
+    roofline-sw) timeout 200 $PY -m tandem.cli bench roofline --model dummy:qwen3-8b-sw1k --max-model-len 8192 --contexts 8192 --batches 1,16,64,256 --max-seconds 180 --out "$OUT" ;;
     roofline-llama) timeout 200 $PY -m tandem.cli bench roofline --model dummy:llama-3.1-8b --max-model-len 8192 --max-seconds 180 --out "$OUT" ;;
     throughput) timeout 200 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload nanovllm --peer-num-prompts 64 --max-seconds 185 --out "$OUT" ;;
     # 1000 x 1024/1024: the engine may take 70 % of the time left, the 8-request peer the rest.

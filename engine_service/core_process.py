@@ -6,7 +6,8 @@ The parent binds both sockets; this process connects a PULL socket for `CoreInpu
 a PUSH socket for `CoreMessage`s, all msgpack (msgspec). The loop takes every queued message,
 runs one step and sends that step's `CoreOutputs`; the PUSH socket has no high-water mark, so a
 slow reader never blocks a step. It exits 0 on `CoreShutdown`, 1 after a fatal error (having
-sent `CoreFailed`), and dies with its parent (PR_SET_PDEATHSIG, plus a parent-pid check).
+sent `CoreFailed`), and dies with its parent (PR_SET_PDEATHSIG, plus a parent-pid check while
+idle), removing the parent's socket directory when the parent cannot.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 
 import msgspec
@@ -31,12 +34,41 @@ IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is still th
 
 
 def _die_with_parent() -> None:
-    """Asks Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    """Asks Linux to SIGTERM this process when its parent dies (no-op elsewhere); the SIGTERM
+    handler (`_exit_on_sigterm`) removes the socket directory and exits at once."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _socket_dir(address: str) -> str | None:
+    """The private directory of an `ipc://` address the parent made (tandem-core-* under the
+    temporary directory), or None for anything else (never removed)."""
+    if not address.startswith("ipc://"):
+        return None
+    directory = os.path.dirname(address[len("ipc://"):])
+    parent, name = os.path.split(directory)
+    if os.path.realpath(parent) != os.path.realpath(tempfile.gettempdir()) or not name.startswith("tandem-core-"):
+        return None
+    return directory
+
+
+def _remove_socket_dir(directory: str | None) -> None:
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _exit_on_sigterm(directory: str | None) -> None:
+    """SIGTERM (the parent died, or someone asked): leave no socket directory behind, exit 1 at
+    once (the parent, if alive, fails the requests in flight)."""
+
+    def handler(signum, frame):
+        _remove_socket_dir(directory)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def run_core(config: EngineConfig, input_addr: str, output_addr: str, fail_after_steps: int | None,
@@ -131,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="json", choices=["json", "console"])
     args = p.parse_args(argv)
+    socket_dir = _socket_dir(args.input)
+    _exit_on_sigterm(socket_dir)
     _die_with_parent()
     parent_pid = os.getppid()
     from tandem.logging_setup import configure_logging
@@ -139,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     # Signals go to the gRPC process, which shuts the core down in order (CoreShutdown).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = msgspec.json.decode(args.config, type=EngineConfig)
-    return run_core(config, args.input, args.output, args.fail_after_steps, parent_pid)
+    code = run_core(config, args.input, args.output, args.fail_after_steps, parent_pid)
+    if code != 0:  # the parent may be gone (nobody else would clean up); on shutdown it removes it
+        _remove_socket_dir(socket_dir)
+    return code
 
 
 if __name__ == "__main__":

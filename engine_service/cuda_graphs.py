@@ -19,7 +19,7 @@ memory pool shared by all graphs (they never run at the same time).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
@@ -57,11 +57,15 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
 
 
 def splits_per_bucket(
-    sizes: list[int], num_kv_heads: int, max_blocks_per_seq: int, block_size: int, num_units: int
+    sizes: list[int], num_kv_heads: int, max_blocks_per_seq: int, block_size: int, num_units: int,
+    sliding_window: int | None = None,
 ) -> dict[int, int]:
     """The decode kernel's split-KV count for each bucket: chosen from the bucket size and the
-    block table's full width only, so it is the same at capture and at every replay."""
+    block table's full width only (or the window, which bounds what a query reads), so it is the
+    same at capture and at every replay."""
     max_context = max_blocks_per_seq * block_size
+    if sliding_window is not None:
+        max_context = min(max_context, sliding_window)
     return {b: choose_num_splits(b, num_kv_heads, max_context, num_units) for b in sizes}
 
 
@@ -74,10 +78,23 @@ class PaddedDecode:
     slot_mapping: np.ndarray  # [bucket] int64
     seq_lens: np.ndarray  # [bucket] int32
     block_tables: np.ndarray  # [bucket, width] int32
+    # (block_tables, slot_mapping) of paged cache groups 1.., padded the same way.
+    extra_groups: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
-def pad_decode_inputs(host: HostInputs, bucket: int, scratch_block: int, block_size: int) -> PaddedDecode:
-    """Pad a pure-decode step to `bucket` rows of dummies that only touch `scratch_block`."""
+def _pad_group(tables: np.ndarray, slots: np.ndarray, bucket: int, scratch_block: int,
+               block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    n = tables.shape[0]
+    padded_tables = np.full((bucket, tables.shape[1]), scratch_block, dtype=np.int32)
+    padded_tables[:n] = tables
+    padded_slots = np.concatenate([slots, np.full(bucket - n, scratch_block * block_size, dtype=slots.dtype)])
+    return padded_tables, padded_slots
+
+
+def pad_decode_inputs(host: HostInputs, bucket: int, scratch_block: int, block_size: int,
+                      extra_scratch_blocks: list[int] | tuple[int, ...] = ()) -> PaddedDecode:
+    """Pad a pure-decode step to `bucket` rows of dummies that only touch `scratch_block` (and,
+    in paged cache group g >= 1, `extra_scratch_blocks[g - 1]`)."""
     n = host.num_seqs
     if not host.is_pure_decode:
         raise ValueError("only pure-decode steps (one token per sequence) can be padded for a graph")
@@ -90,12 +107,16 @@ def pad_decode_inputs(host: HostInputs, bucket: int, scratch_block: int, block_s
 
     tables = np.full((bucket, host.block_tables.shape[1]), scratch_block, dtype=np.int32)
     tables[:n] = host.block_tables
+    if len(host.extra_groups) != len(extra_scratch_blocks):
+        raise ValueError(f"the step has {len(host.extra_groups)} extra cache groups, the graphs {len(extra_scratch_blocks)}")
     return PaddedDecode(
         input_ids=padded(host.input_ids, 0),
         positions=padded(host.positions, 0),
         slot_mapping=padded(host.slot_mapping, scratch_block * block_size),
         seq_lens=padded(host.seq_lens, 1),
         block_tables=tables,
+        extra_groups=[_pad_group(t, sl, bucket, scratch, block_size)
+                      for (t, sl), scratch in zip(host.extra_groups, extra_scratch_blocks)],
     )
 
 
@@ -122,6 +143,8 @@ class DecodeCudaGraphs:
         num_kv_heads: int,
         device: torch.device,
         capture_graphs: bool = True,
+        sliding_window: int | None = None,
+        extra_scratch_blocks: list[int] | tuple[int, ...] = (),
     ) -> None:
         if not sizes or sizes != sorted(set(sizes)):
             raise ValueError(f"bucket sizes must be ascending and distinct, got {sizes}")
@@ -133,8 +156,10 @@ class DecodeCudaGraphs:
         self.scratch_block = scratch_block
         self.device = device
         self.capture_graphs = capture_graphs
+        # The layers' windows are kernel arguments fixed per layer, so they are captured as is;
+        # only the split count (shared by every layer of a bucket) depends on the window here.
         self.num_splits = splits_per_bucket(
-            self.sizes, num_kv_heads, max_blocks_per_seq, block_size, num_compute_units(device)
+            self.sizes, num_kv_heads, max_blocks_per_seq, block_size, num_compute_units(device), sliding_window
         )
         largest = self.sizes[-1]
         # The fixed buffers, initialised as all-dummy rows (what warm-up and capture run on).
@@ -146,6 +171,13 @@ class DecodeCudaGraphs:
         self.block_tables = torch.full(
             (largest, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
         )
+        # Block tables and slot mappings of paged cache groups 1.. (each with its own scratch block).
+        self.extra_scratch_blocks = tuple(extra_scratch_blocks)
+        self.extra_groups = [
+            (torch.full((largest, max_blocks_per_seq), scratch, dtype=torch.int32, device=device),
+             torch.full((largest,), scratch * block_size, dtype=torch.int64, device=device))
+            for scratch in self.extra_scratch_blocks
+        ]
         self._row_ids = torch.arange(largest, dtype=torch.int64, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -167,6 +199,7 @@ class DecodeCudaGraphs:
             seq_lens_cpu=[1] * bucket,
             query_lens_cpu=[1] * bucket,
             decode_num_splits=self.num_splits[bucket],
+            extra_groups=tuple((tables[:bucket], slots[:bucket]) for tables, slots in self.extra_groups),
         )
 
     def _forward(self, bucket: int, metadata: AttentionMetadata) -> torch.Tensor:
@@ -212,7 +245,11 @@ class DecodeCudaGraphs:
         """A pure-decode step that fits a captured bucket and the fixed block-table width."""
         if not self._graphs or not host.is_pure_decode:
             return False
-        return host.num_seqs <= self.captured_sizes[-1] and host.block_tables.shape[1] <= self.max_blocks_per_seq
+        return (
+            host.num_seqs <= self.captured_sizes[-1]
+            and host.block_tables.shape[1] <= self.max_blocks_per_seq
+            and len(host.extra_groups) == len(self.extra_groups)
+        )
 
     def run(
         self, host: HostInputs, staging: PinnedStaging | None, previous_tokens: torch.Tensor | None = None
@@ -222,10 +259,11 @@ class DecodeCudaGraphs:
         bucket = bucket_for(host.num_seqs, self.captured_sizes)
         if bucket is None or not self.can_run(host):
             raise ValueError(f"no captured graph runs this step ({host.num_seqs} sequences)")
-        padded = pad_decode_inputs(host, bucket, self.scratch_block, self.block_size)
-        (ids, pos, slots, lens, tables, rows), fill_pending = ship_step_arrays([
+        padded = pad_decode_inputs(host, bucket, self.scratch_block, self.block_size, self.extra_scratch_blocks)
+        extra = [a for pair in padded.extra_groups for a in pair]
+        (ids, pos, slots, lens, tables, rows, *extra_tensors), fill_pending = ship_step_arrays([
             padded.input_ids, padded.positions, padded.slot_mapping, padded.seq_lens,
-            padded.block_tables, host.logits_indices,
+            padded.block_tables, host.logits_indices, *extra,
         ], host, self.device, staging, previous_tokens)
         self.input_ids[:bucket].copy_(ids)
         fill_pending(self.input_ids)
@@ -234,6 +272,11 @@ class DecodeCudaGraphs:
         self.seq_lens[:bucket].copy_(lens)
         # Columns past this step's width keep stale block ids: never read, as seq_lens bound reads.
         self.block_tables[:bucket, : tables.shape[1]].copy_(tables)
+        for (table_buf, slot_buf), group_tables, group_slots in zip(
+            self.extra_groups, extra_tensors[0::2], extra_tensors[1::2]
+        ):
+            table_buf[:bucket, : group_tables.shape[1]].copy_(group_tables)
+            slot_buf[:bucket].copy_(group_slots)
         graph = self._graphs[bucket]
         if graph is None:
             self._logits[bucket] = self._forward(bucket, self._metadata[bucket])

@@ -70,16 +70,18 @@ class LLMEngine:
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(
-            num_blocks=self.runner.num_blocks,
-            block_size=self.runner.block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
+        plan = getattr(self.runner, "memory_plan", None)  # stand-in runners have one plain pool
+        self.block_manager = (
+            BlockManager.from_plan(plan, config.cache.enable_prefix_caching) if plan is not None
+            else BlockManager(self.runner.num_blocks, self.runner.block_size, config.cache.enable_prefix_caching)
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    device_type=self.runner.device.type)
         self.sampler = Sampler(vocab_size=self.runner.vocab_size)
-        self.plan_builder = StepPlanBuilder()
-        self.worker = StepWorker(self.runner, self.sampler)
+        # One block table per paged cache group travels in every plan and lives in every row.
+        num_cache_groups = len(self.block_manager.pools)
+        self.plan_builder = StepPlanBuilder(num_cache_groups)
+        self.worker = StepWorker(self.runner, self.sampler, num_cache_groups)
         self.eos_token_ids = tuple(self.runner.eos_token_ids)
         self.counters = EngineCounters()
         self._first_scheduled: dict[str, float] = {}

@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from tandem.engine_service.group_tables import group_arrays
 from tandem.engine_service.layers.attention import AttentionMetadata
 from tandem.engine_service.sequence import Sequence
 
@@ -79,6 +80,8 @@ class HostInputs:
     # sampled tokens (both empty when every input id is known).
     pending_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # (block_tables, slot_mapping) of paged cache groups 1, 2, ... (group 0's are the fields above).
+    extra_groups: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -116,7 +119,6 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
     token_chunks: list[list[int]] = []
     query_lens: list[int] = []
     seq_lens: list[int] = []
-    tables: list[list[int]] = []
     sample: list[bool] = []
     pending_dst: list[int] = []
     pending_src: list[int] = []
@@ -142,10 +144,10 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
         token_chunks.append(_token_slice(seq, start, end))
         query_lens.append(n)
         seq_lens.append(end)
-        tables.append(seq.block_table)
         sample.append(item.sample)
         num_tokens += n
-    return assemble_host_inputs(token_chunks, query_lens, seq_lens, tables, sample, block_size,
+    group_tables = [[item.seq.block_tables[g] for item in batch] for g in range(len(batch[0].seq.block_tables))]
+    return assemble_host_inputs(token_chunks, query_lens, seq_lens, group_tables, sample, block_size,
                                 np.asarray(pending_dst, dtype=np.int64), np.asarray(pending_src, dtype=np.int64))
 
 
@@ -153,15 +155,17 @@ def assemble_host_inputs(
     token_chunks: SequenceOf[SequenceOf[int]],
     query_lens: list[int],
     seq_lens: list[int],
-    tables: SequenceOf[SequenceOf[int]],
+    group_tables: SequenceOf[SequenceOf[SequenceOf[int]]],
     sample: SequenceOf[bool],
     block_size: int,
     pending_dst: np.ndarray,
     pending_src: np.ndarray,
 ) -> HostInputs:
     """`HostInputs` from per-entry lists: entry i runs `token_chunks[i]` (`query_lens[i]` tokens
-    ending at position `seq_lens[i] - 1`) over block table `tables[i]`, and yields logits when
-    `sample[i]`. Shared by the worker's rows (`worker_rows.host_inputs_from_rows`) and the
+    ending at position `seq_lens[i] - 1`) over block table `group_tables[g][i]` in each paged
+    cache group g (group 0's arrays are the `block_tables`/`slot_mapping` fields, the others
+    `extra_groups`; both via `group_tables.group_arrays`), and yields logits when `sample[i]`.
+    Shared by the worker's rows (`worker_rows.host_inputs_from_rows`) and the
     Sequence-shaped batches of `prepare_host_inputs`."""
     num_seqs = len(query_lens)
     num_tokens = sum(query_lens)
@@ -175,12 +179,7 @@ def assemble_host_inputs(
     offsets = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens_np)
     positions = np.repeat(seq_lens_np - query_lens_np, query_lens_np) + offsets
 
-    max_blocks = max(len(t) for t in tables)
-    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-    for i, table in enumerate(tables):
-        block_tables[i, : len(table)] = table
-    block_ids = block_tables[seq_index, positions // block_size].astype(np.int64)
-    slot_mapping = block_ids * block_size + positions % block_size
+    (block_tables, slot_mapping), *extra_groups = group_arrays(group_tables, seq_index, positions, block_size)
 
     input_ids = np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64, count=num_tokens)
     return HostInputs(
@@ -195,6 +194,7 @@ def assemble_host_inputs(
         query_lens_cpu=list(query_lens),
         pending_dst=pending_dst,
         pending_src=pending_src,
+        extra_groups=extra_groups,
     )
 
 
@@ -237,13 +237,18 @@ def host_to_device(
     previous_tokens: torch.Tensor | None = None,
 ) -> ModelInputs:
     """Device tensors for `host`, pending tokens filled in from `previous_tokens`."""
+    extra = [a for pair in host.extra_groups for a in pair]
     tensors, fill_pending = ship_step_arrays(
-        [getattr(host, n) for n in _ARRAY_FIELDS], host, device, staging, previous_tokens
+        [*(getattr(host, n) for n in _ARRAY_FIELDS), *extra], host, device, staging, previous_tokens
     )
     arrays = dict(zip(_ARRAY_FIELDS, tensors))
+    extra_tensors = tensors[len(_ARRAY_FIELDS):]
+    extra_groups = tuple(zip(extra_tensors[0::2], extra_tensors[1::2]))
     input_ids = arrays.pop("input_ids")
     fill_pending(input_ids)
-    metadata = AttentionMetadata(**arrays, seq_lens_cpu=host.seq_lens_cpu, query_lens_cpu=host.query_lens_cpu)
+    metadata = AttentionMetadata(
+        **arrays, seq_lens_cpu=host.seq_lens_cpu, query_lens_cpu=host.query_lens_cpu, extra_groups=extra_groups
+    )
     return ModelInputs(input_ids=input_ids, metadata=metadata)
 
 

@@ -1,29 +1,45 @@
-"""Paged KV cache bookkeeping: physical block ownership, ref counts and the prefix cache.
+"""Paged KV cache bookkeeping: block ids per cache group, ref counts, prefix cache, state slots.
 
-Only ids and counters live here; the K/V tensors belong to the model runner, which addresses
-them through `seq.block_table` (the slot of token position p is
-`block_table[p // block_size] * block_size + p % block_size`).
+Only ids and counters live here; the tensors belong to the model runner. A request holds one
+block table per paged cache group (`seq.block_tables`, all of equal length: entry i covers
+token positions `i * block_size .. (i + 1) * block_size - 1`), and, when the model has state
+groups, one state slot (`seq.state_slot`). The slot of token position p in group g is
+`block_tables[g][p // block_size] * block_size + p % block_size`.
+
+Sliding-window groups free during the request: once the request's next query sits at position
+c, blocks ending before `c - window + 1` are never read again, so `allocate` gives them back
+and leaves `NULL_BLOCK` in their table entries. A model whose every layer is windowed thus holds
+about `window / block_size + 1` blocks per request, however long it runs.
 
 Prefix caching: when a block is full and its K/V are written (`commit`), it is registered under a
 chained hash of (hash of the previous block, token ids of this block), so equal block contents
 after different prefixes never match. A released block keeps its hash and stays reusable until
-it is evicted (least recently used first) to make room for a new allocation.
+it is evicted (least recently used first) to make room for a new allocation. Each group has its
+own pool and its own hash -> block map; a hit of k blocks must be valid in every group:
+a full-attention group needs all of blocks 0..k-1 cached, a sliding-window group only those the
+first query after the hit can see (blocks freed for being outside the window, and evicted since,
+are not needed, and a hit never reuses a block whose content was evicted: its hash is gone).
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
 from collections.abc import Sequence as SeqOf
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tandem.engine_service.block_pool import Block, BlockPool, PagedGroup
 from tandem.engine_service.sequence import Sequence
+from tandem.engine_service.state_pool import StateSlotPool
 
 # Distinguishes the first block of a sequence (no parent) from a block whose parent hash
 # happens to have any particular value.
 _ROOT_TAG = b"\x00"
 _CHILD_TAG = b"\x01"
+
+# A table entry whose block was given back (sliding-window groups only). Input building maps it
+# to block 0; kernels and the reference never read positions before the window.
+NULL_BLOCK = -1
 
 
 def hash_block(parent_hash: int | None, token_ids: SeqOf[int]) -> int:
@@ -40,72 +56,92 @@ def hash_block(parent_hash: int | None, token_ids: SeqOf[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-@dataclass
-class Block:
-    """One physical KV block: who references it and, once full and written, its content hash."""
-
-    block_id: int
-    ref_count: int = 0
-    hash: int | None = None  # set only while registered in the prefix cache
-    num_tokens: int = 0  # token slots whose K/V are written
+def first_needed_block(next_position: int, window: int | None, block_size: int) -> int:
+    """Index of the first block a query at `next_position` (or later) reads in a group with
+    `window` (None: full attention, so block 0)."""
+    if window is None:
+        return 0
+    return max(0, next_position - window + 1) // block_size
 
 
 @dataclass
 class _Plan:
     """What `allocate` would do, computed without side effects."""
 
+    hit_blocks: int  # prefix hits (admission only)
     hit_hashes: list[int]
-    hit_ids: list[int]
-    num_new_blocks: int
-    num_revived: int  # prefix hits that currently sit unreferenced in the evictable set
-
-    @property
-    def blocks_taken_from_pool(self) -> int:
-        return self.num_new_blocks + self.num_revived
+    new_blocks: list[int] = field(default_factory=list)  # per group
+    taken: list[int] = field(default_factory=list)  # per group: new blocks + revived hits
+    freed: list[int] = field(default_factory=list)  # per group: blocks the window trim gives back
+    needs_slot: bool = False
 
 
 class BlockManager:
-    """Hands out paged KV blocks to sequences and shares full, written blocks by content.
+    """Hands out block ids per paged cache group and state slots; shares full, written blocks by content.
 
     Scheduler protocol (how prefix hits and the token budget fit together):
 
-    1. `match_prefix(seq)` (no side effects) tells how many leading tokens a sequence with an
-       empty block table would get from the cache; the scheduler computes the chunk size as
+    1. `match_prefix(seq)` (no side effects) tells how many leading tokens a sequence with empty
+       block tables would get from the cache; the scheduler computes the chunk size as
        `min(seq.num_tokens - hits, budget)`.
-    2. `allocate(seq, chunk)` takes exactly those hits (same answer: nothing changes in between)
-       and sets `seq.num_computed_tokens = hits`, then adds blocks so the table covers
-       `hits + chunk` tokens. Later calls (block table not empty) only add blocks.
+    2. `allocate(seq, chunk)` takes exactly those hits (same answer: nothing changes in between),
+       a state slot when the model has state groups, and sets `seq.num_computed_tokens = hits`,
+       then adds blocks so every table covers `hits + chunk` tokens. Later calls (tables not
+       empty) first free sliding-window blocks behind the window, then only add blocks.
+       Admission needs blocks in every group and a slot; failing either changes nothing.
     3. After the model wrote K/V and the caller advanced `seq.num_computed_tokens`,
        `commit(seq)` registers the newly full blocks.
-    4. `free(seq)` releases everything.
+    4. `free(seq)` releases everything, the state slot included (finish, abort, error and
+       preemption all end here).
 
-    Free capacity is the free list (never cached or cleared blocks, used first) plus the
-    evictable set (cached blocks nobody references, evicted least recently used first).
+    `num_blocks`, `blocks`, `num_free_blocks` and `slot` describe the primary (first) group;
+    `usage` is the fullest group's.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        *,
+        groups: SeqOf[PagedGroup] | None = None,
+        num_state_slots: int = 0,
     ) -> None:
-        if num_blocks < 1:
-            raise ValueError("num_blocks must be >= 1")
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
-        self.num_blocks = num_blocks
+        if groups is None:
+            groups = [PagedGroup("attention", num_blocks)]
+        if not groups:
+            raise ValueError("a block manager needs at least one paged group")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))
-        # Unreferenced cached blocks in LRU order (oldest first). Values are unused.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.pools = [BlockPool(g) for g in groups]
+        self.num_groups = len(self.pools)
+        self._windowed = [i for i, p in enumerate(self.pools) if p.window is not None]
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hits = 0  # of those, tokens served from the cache
 
+    @classmethod
+    def from_plan(cls, plan, enable_prefix_caching: bool = True) -> "BlockManager":
+        """One pool per paged group of a `memory.MemoryPlan`, and its state slots."""
+        groups = [PagedGroup(g.name, g.num_blocks, g.sliding_window) for g in plan.paged_groups]
+        return cls(groups[0].num_blocks, plan.block_size, enable_prefix_caching,
+                   groups=groups, num_state_slots=plan.num_state_slots)
+
     # -- capacity ----------------------------------------------------------------------------
     @property
+    def num_blocks(self) -> int:
+        return self.pools[0].num_blocks
+
+    @property
+    def blocks(self) -> list[Block]:
+        return self.pools[0].blocks
+
+    @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can take: never-cached ones plus evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        """Blocks an allocation can take in the primary group: never-cached plus evictable ones."""
+        return self.pools[0].num_free
 
     def get_num_free_blocks(self) -> int:
         return self.num_free_blocks
@@ -116,16 +152,23 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks registered in the prefix cache (in use or evictable)."""
-        return len(self._cached)
+        """Blocks registered in the primary group's prefix cache (in use or evictable)."""
+        return len(self.pools[0].cached)
 
     @property
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        return max((p.num_blocks - p.num_free) / p.num_blocks for p in self.pools)
 
-    def slot(self, seq: Sequence, pos: int) -> int:
-        """Flat cache slot of token position `pos` of `seq`."""
-        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def group_usage(self) -> dict[str, dict[str, int]]:
+        """Per paged group (and the state slots): total and used."""
+        out = {p.group.name: {"total": p.num_blocks, "used": p.num_blocks - p.num_free} for p in self.pools}
+        if self.state_slots is not None:
+            out["state_slots"] = {"total": self.state_slots.num_slots, "used": self.state_slots.num_used}
+        return out
+
+    def slot(self, seq: Sequence, pos: int, group: int = 0) -> int:
+        """Flat cache slot of token position `pos` of `seq` in paged group `group`."""
+        return seq.block_tables[group][pos // self.block_size] * self.block_size + pos % self.block_size
 
     # -- prefix lookup -----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> int:
@@ -135,79 +178,147 @@ class BlockManager:
         a fresh sequence that is the last prompt token; for a preempted one being recomputed,
         the prompt and the output tokens before the last one are eligible.
         """
-        hashes, _ = self._lookup(seq)
-        return len(hashes) * self.block_size
+        hit_blocks, _ = self._lookup(seq)
+        return hit_blocks * self.block_size
 
-    def _lookup(self, seq: Sequence) -> tuple[list[int], list[int]]:
+    def _lookup(self, seq: Sequence) -> tuple[int, list[int]]:
+        """The largest hit (in blocks) valid in every group, and the hashes of its blocks."""
         if not self.enable_prefix_caching:
-            return [], []
+            return 0, []
         tokens = seq.token_ids
         bs = self.block_size
         hashes: list[int] = []
-        ids: list[int] = []
         parent: int | None = None
+        # Per windowed group: first block of the current run of cached blocks.
+        run_start = {g: 0 for g in self._windowed}
+        best = 0
         for i in range((len(tokens) - 1) // bs):
             h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
-            block_id = self._cached.get(h)
-            if block_id is None:
-                break
             hashes.append(h)
-            ids.append(block_id)
             parent = h
-        return hashes, ids
+            broken = False
+            for g, pool in enumerate(self.pools):
+                if h not in pool.cached:
+                    if pool.window is None:
+                        broken = True  # a full group needs every block: no longer hit exists
+                        break
+                    run_start[g] = i + 1
+            if broken:
+                break
+            k = i + 1
+            if all(run_start[g] <= first_needed_block(k * bs, self.pools[g].window, bs) for g in self._windowed):
+                best = k
+        return best, hashes[:best]
 
     # -- allocation --------------------------------------------------------------------------
+    def _admitted(self, seq: Sequence) -> bool:
+        return bool(seq.block_tables[0])
+
+    def _trimmable(self, seq: Sequence, g: int) -> list[int]:
+        """Table indices of group g's live blocks behind the window (newest first)."""
+        pool = self.pools[g]
+        table = seq.block_tables[g]
+        out = []
+        i = min(first_needed_block(seq.num_computed_tokens, pool.window, self.block_size), len(table)) - 1
+        while i >= 0 and table[i] != NULL_BLOCK:
+            out.append(i)
+            i -= 1
+        return out
+
     def _plan(self, seq: Sequence, num_new_tokens: int) -> _Plan:
         if num_new_tokens < 0:
             raise ValueError("num_new_tokens must be >= 0")
-        if seq.block_table:
-            hit_hashes: list[int] = []
-            hit_ids: list[int] = []
-            held = len(seq.block_table)
+        bs = self.block_size
+        if self._admitted(seq):
+            plan = _Plan(0, [])
             num_tokens = seq.num_computed_tokens + num_new_tokens
-        else:
-            hit_hashes, hit_ids = self._lookup(seq)
-            held = len(hit_ids)
-            num_tokens = held * self.block_size + num_new_tokens
-        needed = -(-num_tokens // self.block_size)
-        revived = sum(1 for b in hit_ids if self.blocks[b].ref_count == 0)
-        return _Plan(hit_hashes, hit_ids, max(0, needed - held), revived)
+            needed = -(-num_tokens // bs)
+            for g, pool in enumerate(self.pools):
+                table = seq.block_tables[g]
+                new = max(0, needed - len(table))
+                freed = 0
+                if pool.window is not None:
+                    freed = sum(1 for i in self._trimmable(seq, g) if pool.blocks[table[i]].ref_count == 1)
+                plan.new_blocks.append(new)
+                plan.taken.append(new)
+                plan.freed.append(freed)
+            return plan
+        hit_blocks, hit_hashes = self._lookup(seq)
+        plan = _Plan(hit_blocks, hit_hashes, needs_slot=self.state_slots is not None and seq.state_slot is None)
+        needed = -(-(hit_blocks * bs + num_new_tokens) // bs)
+        new = max(0, needed - hit_blocks)
+        for pool in self.pools:
+            first = first_needed_block(hit_blocks * bs, pool.window, bs)
+            revived = sum(
+                1 for h in hit_hashes[first:] if pool.blocks[pool.cached[h]].ref_count == 0
+            )
+            plan.new_blocks.append(new)
+            plan.taken.append(new + revived)
+            plan.freed.append(0)
+        return plan
+
+    def _fits(self, plan: _Plan) -> bool:
+        if plan.needs_slot and self.state_slots is not None and self.state_slots.num_free == 0:
+            return False
+        return all(t <= p.num_free + f for t, p, f in zip(plan.taken, self.pools, plan.freed))
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """New blocks `allocate(seq, num_new_tokens)` would add (prefix hits not included)."""
-        return self._plan(seq, num_new_tokens).num_new_blocks
+        """New blocks `allocate(seq, num_new_tokens)` would add to the primary group (prefix hits not included)."""
+        return self._plan(seq, num_new_tokens).new_blocks[0]
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether `allocate(seq, num_new_tokens)` would succeed; changes nothing."""
-        return self._plan(seq, num_new_tokens).blocks_taken_from_pool <= self.num_free_blocks
+        return self._fits(self._plan(seq, num_new_tokens))
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Cover `num_computed_tokens + num_new_tokens` tokens with blocks (see class docstring).
 
-        With an empty block table, prefix hits are taken first and `num_computed_tokens` is
-        reset to the hit count. Returns False, changing nothing, if the pool is too small.
+        With empty block tables, prefix hits (and a state slot) are taken first and
+        `num_computed_tokens` is reset to the hit count. Returns False, changing nothing but the
+        release of blocks behind a sliding window, if a pool (or the slot pool) is too small.
         """
-        table = seq.block_table
-        if table and num_new_tokens >= 0 and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
-            return True  # the common decode step: the last block still has room
+        admitted = self._admitted(seq)
+        if admitted:
+            if self._windowed:
+                self._trim(seq)
+            if num_new_tokens >= 0 and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+                return True  # the common decode step: the last block still has room
         plan = self._plan(seq, num_new_tokens)
         # Checking up front makes failure side-effect free: nothing to roll back.
-        if plan.blocks_taken_from_pool > self.num_free_blocks:
+        if not self._fits(plan):
             return False
-        if not seq.block_table:
+        if not admitted:
             self._take_hits(seq, plan)
-        for _ in range(plan.num_new_blocks):
-            seq.block_table.append(self._take_free_block())
+        for g, pool in enumerate(self.pools):
+            table = seq.block_tables[g]
+            for _ in range(plan.new_blocks[g]):
+                table.append(pool.take_free())
         return True
 
+    def _trim(self, seq: Sequence) -> None:
+        for g in self._windowed:
+            table = seq.block_tables[g]
+            pool = self.pools[g]
+            for i in self._trimmable(seq, g):
+                pool.release(table[i])
+                table[i] = NULL_BLOCK
+
     def _take_hits(self, seq: Sequence, plan: _Plan) -> None:
-        for block_id in plan.hit_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self._evictable[block_id]
-            block.ref_count += 1
-        num_hit_tokens = len(plan.hit_ids) * self.block_size
-        seq.block_table = list(plan.hit_ids)
+        bs = self.block_size
+        k = plan.hit_blocks
+        tables: list[list[int]] = []
+        for pool in self.pools:
+            first = first_needed_block(k * bs, pool.window, bs)
+            table = [NULL_BLOCK] * first
+            for h in plan.hit_hashes[first:]:
+                block_id = pool.cached[h]
+                pool.take_hit(block_id)
+                table.append(block_id)
+            tables.append(table)
+        if plan.needs_slot and self.state_slots is not None:
+            seq.state_slot = self.state_slots.take()
+        num_hit_tokens = k * bs
+        seq.block_tables = tables
         seq.block_hashes = list(plan.hit_hashes)
         seq.num_computed_tokens = num_hit_tokens
         if seq.num_cached_prompt_tokens is None:
@@ -216,38 +327,30 @@ class BlockManager:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_hit_tokens
 
-    def _take_free_block(self) -> int:
-        if self._free:
-            block_id = self._free.popleft()
-        else:
-            block_id, _ = self._evictable.popitem(last=False)
-            block = self.blocks[block_id]
-            assert block.hash is not None
-            del self._cached[block.hash]
-            block.hash = None
-        block = self.blocks[block_id]
-        block.ref_count = 1
-        block.num_tokens = 0
-        return block_id
-
     # -- after a step ------------------------------------------------------------------------
     def commit(self, seq: Sequence) -> None:
         """Record written K/V up to `seq.num_computed_tokens`; cache the newly full blocks.
 
         If another block already holds the same content (two sequences computed the same prefix
-        concurrently), that mapping wins and this block stays private and unhashed.
+        concurrently), that mapping wins and this block stays private and unhashed. Blocks a
+        window already gave back are hashed (the chain needs them) but not registered.
         """
         bs = self.block_size
         # Computed tokens whose ids are still pending (overlapped scheduling) wait for a later
         # commit: a block is hashed from its token ids.
         computed = min(seq.num_computed_tokens, seq.num_known_tokens, len(seq.block_table) * bs)
-        # Blocks fill in order, so walking back from the last written block until a full one
-        # touches only what this step wrote.
-        for i in range(-(-computed // bs) - 1, -1, -1):
-            block = self.blocks[seq.block_table[i]]
-            if block.num_tokens == bs:
-                break
-            block.num_tokens = min(bs, computed - i * bs)
+        last = -(-computed // bs) - 1
+        for g, pool in enumerate(self.pools):
+            table = seq.block_tables[g]
+            # Blocks fill in order, so walking back from the last written block until a full (or
+            # given back) one touches only what this step wrote.
+            for i in range(last, -1, -1):
+                if table[i] == NULL_BLOCK:
+                    break
+                block = pool.blocks[table[i]]
+                if block.num_tokens == bs:
+                    break
+                block.num_tokens = min(bs, computed - i * bs)
         if not self.enable_prefix_caching:
             return
         first = len(seq.block_hashes)
@@ -259,31 +362,31 @@ class BlockManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
             seq.block_hashes.append(h)
-            block_id = seq.block_table[i]
-            if h not in self._cached:
-                self._cached[h] = block_id
-                self.blocks[block_id].hash = h
+            for g, pool in enumerate(self.pools):
+                block_id = seq.block_tables[g][i]
+                if block_id != NULL_BLOCK:
+                    pool.register(h, block_id)
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of `seq` and clear its block table and hashes.
+        """Release every block and the state slot of `seq`; clear its block tables and hashes.
 
         Released in reverse order so that, among this sequence's cached blocks, the tail ones
         are evicted first: a head block is useful to more future prompts than a tail block,
         and a tail block without its head can never be hit.
         """
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self._evictable[block_id] = None
-                else:
-                    block.num_tokens = 0
-                    self._free.append(block_id)
-        seq.block_table = []
+        for g, pool in enumerate(self.pools):
+            if g >= len(seq.block_tables):
+                break
+            for block_id in reversed(seq.block_tables[g]):
+                if block_id != NULL_BLOCK:
+                    pool.release(block_id)
+        seq.block_tables = [[] for _ in self.pools]
         seq.block_hashes = []
+        if seq.state_slot is not None:
+            if self.state_slots is None:
+                raise RuntimeError(f"{seq.request_id} holds a state slot but the model has no state groups")
+            self.state_slots.release(seq.state_slot)
+            seq.state_slot = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; unreferenced ones go back to the free list.
@@ -291,13 +394,6 @@ class BlockManager:
         Blocks in use keep their contents and owners but lose their hash, so no later request
         can hit K/V computed before the reset (e.g. with older weights). Always succeeds.
         """
-        for block_id in self._evictable:
-            block = self.blocks[block_id]
-            block.hash = None
-            block.num_tokens = 0
-            self._free.append(block_id)
-        self._evictable.clear()
-        for block_id in self._cached.values():
-            self.blocks[block_id].hash = None
-        self._cached.clear()
+        for pool in self.pools:
+            pool.reset()
         return True

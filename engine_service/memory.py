@@ -1,65 +1,127 @@
-"""Sizes the paged KV cache (and per-request state pools) from the memory a device has left."""
+"""Sizes every cache group of a model from the memory a device has left (`plan_cache`).
+
+The model declares its caches as a `CacheLayout` (see `cache_spec.py`); the planner turns it
+into a `MemoryPlan`: blocks per paged group, slots per state group, bytes of each. The plan
+is logged one line per group and kept on the runner (`ModelRunner.memory_plan`,
+`MemoryPlan.as_dict()`) so it can be reported.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import structlog
 import torch
 
+from tandem.engine_service.cache_spec import CacheGroup, CacheLayout, SlidingWindowSpec, attention_layout
 from tandem.engine_service.config import CacheConfig
 
 log = structlog.get_logger(__name__)
 
 
 class KVCacheShape(Protocol):
-    """What the planner needs of a model config (our `DecoderConfig` or an HF config)."""
+    """What `full_attention_layout` needs of a model config (our `DecoderConfig` or an HF config)."""
 
     num_hidden_layers: int
     num_key_value_heads: int
     head_dim: int
 
 
-@dataclass(frozen=True)
-class StatePoolSpec:
-    """A per-request state pool to reserve before KV blocks (e.g. linear-attention state).
-
-    `bytes_per_entry` covers every layer of one request's state; `num_entries` is how many
-    requests can hold state at once.
-    """
-
-    name: str
-    bytes_per_entry: int
-    num_entries: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_entry * self.num_entries
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `"bfloat16"` (the spelling cache specs use)."""
+    return str(dtype).removeprefix("torch.")
 
 
-@dataclass(frozen=True)
-class MemoryPlan:
-    """The outcome: how many KV blocks to allocate and how many entries each state pool gets."""
-
-    num_blocks: int
-    bytes_per_block: int
-    state_pool_entries: dict[str, int] = field(default_factory=dict)
-    state_pool_bytes: int = 0
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+def full_attention_layout(model_config: KVCacheShape, dtype: torch.dtype) -> CacheLayout:
+    """One full-attention group over every layer: the layout of a plain decoder."""
+    windows = (None,) * model_config.num_hidden_layers
+    return attention_layout(windows, model_config.num_key_value_heads, model_config.head_dim, torch_dtype_name(dtype))
 
 
 def kv_bytes_per_block(model_config: KVCacheShape, block_size: int, dtype: torch.dtype) -> int:
     """K and V for every layer: 2 x layers x block_size x kv_heads x head_dim x dtype size."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return (
-        2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads
-        * model_config.head_dim * itemsize
-    )
+    return full_attention_layout(model_config, dtype).groups[0].bytes_per_block(block_size)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """What one cache group gets: `num_blocks` blocks (paged) or `num_slots` slots (state).
+
+    The runner allocates one more block / slot past each (scratch for padded CUDA-graph rows);
+    those are not counted here.
+    """
+
+    name: str
+    kind: str
+    layer_ids: tuple[int, ...]
+    num_blocks: int = 0
+    bytes_per_block: int = 0
+    num_slots: int = 0
+    bytes_per_slot: int = 0
+    sliding_window: int | None = None
+
+    @property
+    def paged(self) -> bool:
+        return self.kind != "state"
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The planner's outcome for every group of a layout; group order follows the layout.
+
+    `num_blocks` / `bytes_per_block` describe the primary (first) paged group, the one the
+    scheduler's capacity is reported in.
+    """
+
+    block_size: int
+    groups: tuple[GroupPlan, ...]
+    budget_bytes: int | None = None  # None when `CacheConfig.num_blocks` fixed the pool
+    reserved_bytes: int = 0
+
+    @property
+    def paged_groups(self) -> tuple[GroupPlan, ...]:
+        return tuple(g for g in self.groups if g.paged)
+
+    @property
+    def state_groups(self) -> tuple[GroupPlan, ...]:
+        return tuple(g for g in self.groups if not g.paged)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.paged_groups[0].num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.paged_groups[0].bytes_per_block
+
+    @property
+    def num_state_slots(self) -> int:
+        """Requests that can hold state at once (0 when the layout has no state group)."""
+        return max((g.num_slots for g in self.state_groups), default=0)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(g.total_bytes for g in self.paged_groups)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(g.total_bytes for g in self.state_groups)
+
+    def as_dict(self) -> dict:
+        """Plain data for reports and utility calls."""
+        return {
+            "block_size": self.block_size,
+            "budget_bytes": self.budget_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "state_bytes": self.state_bytes,
+            "groups": [asdict(g) | {"total_bytes": g.total_bytes} for g in self.groups],
+        }
 
 
 def available_bytes(device: torch.device, cache_config: CacheConfig) -> int:
@@ -71,47 +133,88 @@ def available_bytes(device: torch.device, cache_config: CacheConfig) -> int:
     return cache_config.cpu_kv_cache_bytes
 
 
-def plan_kv_cache(
-    model_config: KVCacheShape,
+def sliding_group_cap(group: CacheGroup, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                      max_model_len: int) -> int:
+    """Blocks a sliding-window group can ever hold at once: every running request's live window,
+    plus the blocks one step's chunks add before the window's tail is freed."""
+    assert isinstance(group.spec, SlidingWindowSpec)
+    per_request = group.spec.blocks_per_request(max_model_len, block_size)
+    return max_num_seqs * per_request + -(-max_num_batched_tokens // block_size)
+
+
+def plan_cache(
+    layout: CacheLayout,
     cache_config: CacheConfig,
     device: torch.device | str,
-    dtype: torch.dtype,
-    state_pools: Sequence[StatePoolSpec] = (),
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
     reserved_bytes: int = 0,
 ) -> MemoryPlan:
-    """Decide the number of KV blocks.
+    """Size every group of `layout`.
 
-    State pools are reserved first (they are sized by request count, not tokens), then
-    `reserved_bytes` (activation headroom), and the rest is cut into blocks.
-    `cache_config.num_blocks`, when set, overrides the computed count.
+    1. State groups get `max_num_seqs` slots each (one per running request), reserved first.
+    2. `reserved_bytes` (activation headroom) is set aside.
+    3. The rest is cut into blocks. Full-attention and latent groups track the same tokens, so
+       they get the same block count N. A sliding-window group never needs more than
+       `sliding_group_cap` blocks; when that is below the even split it gets exactly that and the
+       memory it leaves goes to the other groups (a model whose every paged group is windowed
+       splits the budget evenly).
+
+    `cache_config.num_blocks`, when set, gives every paged group that many blocks.
     """
     device = torch.device(device)
-    per_block = kv_bytes_per_block(model_config, cache_config.block_size, dtype)
-    pool_bytes = sum(p.total_bytes for p in state_pools)
-    entries = {p.name: p.num_entries for p in state_pools}
-    if len(entries) != len(state_pools):
-        raise ValueError("state pool names must be unique")
-    if any(p.bytes_per_entry < 0 or p.num_entries < 0 for p in state_pools):
-        raise ValueError("state pool sizes must be non-negative")
+    bs = cache_config.block_size
+    state = [
+        GroupPlan(g.name, g.spec.kind, g.layer_ids, num_slots=max_num_seqs, bytes_per_slot=g.bytes_per_slot())
+        for g in layout.state_groups
+    ]
+    paged = layout.paged_groups
+    per_block = {g.name: g.bytes_per_block(bs) for g in paged}
+    blocks: dict[str, int] = {}
+    budget: int | None = None
     if cache_config.num_blocks is not None:
-        num_blocks = cache_config.num_blocks
+        blocks = {g.name: cache_config.num_blocks for g in paged}
     else:
         budget = available_bytes(device, cache_config)
-        left = budget - pool_bytes - reserved_bytes
-        num_blocks = max(left, 0) // per_block
-        if num_blocks < 2:
+        state_bytes = sum(s.total_bytes for s in state)
+        left = max(budget - state_bytes - reserved_bytes, 0)
+        even = left // sum(per_block.values())
+        caps = {}
+        if any(not isinstance(g.spec, SlidingWindowSpec) for g in paged):
+            for g in paged:
+                if isinstance(g.spec, SlidingWindowSpec):
+                    cap = sliding_group_cap(g, bs, max_num_seqs, max_num_batched_tokens, max_model_len)
+                    if cap < even:
+                        caps[g.name] = cap
+        rest = left - sum(caps[n] * per_block[n] for n in caps)
+        n = rest // sum(per_block[g.name] for g in paged if g.name not in caps)
+        blocks = {g.name: caps.get(g.name, n) for g in paged}
+        if min(blocks.values()) < 2:
             raise ValueError(
-                f"not enough memory for the KV cache: budget {budget} B, state pools {pool_bytes} B, "
-                f"reserved {reserved_bytes} B, {per_block} B per block; lower max_num_seqs/state pools "
-                f"or raise the memory budget"
+                f"not enough memory for the KV cache: budget {budget} B, state {state_bytes} B, "
+                f"reserved {reserved_bytes} B, {sum(per_block.values())} B per block across groups; "
+                f"lower max_num_seqs or raise the memory budget"
             )
-    plan = MemoryPlan(
-        num_blocks=num_blocks, bytes_per_block=per_block, state_pool_entries=entries, state_pool_bytes=pool_bytes
-    )
-    log.info(
-        "kv cache planned", device=str(device), num_blocks=num_blocks, block_size=cache_config.block_size,
-        bytes_per_block=per_block, kv_gib=round(plan.kv_cache_bytes / 2**30, 2), state_pools=entries,
-    )
+    plans: list[GroupPlan] = []
+    state_by_name = {s.name: s for s in state}
+    for g in layout.groups:
+        if g.paged:
+            plans.append(GroupPlan(
+                g.name, g.spec.kind, g.layer_ids, num_blocks=blocks[g.name], bytes_per_block=per_block[g.name],
+                sliding_window=g.sliding_window,
+            ))
+        else:
+            plans.append(state_by_name[g.name])
+    plan = MemoryPlan(block_size=bs, groups=tuple(plans), budget_bytes=budget, reserved_bytes=reserved_bytes)
+    for gp in plan.groups:
+        log.info(
+            "cache group planned", device=str(device), group=gp.name, kind=gp.kind, layers=len(gp.layer_ids),
+            num_blocks=gp.num_blocks, block_size=bs, bytes_per_block=gp.bytes_per_block,
+            sliding_window=gp.sliding_window, num_slots=gp.num_slots, bytes_per_slot=gp.bytes_per_slot,
+            gib=round(gp.total_bytes / 2**30, 3),
+        )
     return plan
 
 

@@ -1,6 +1,6 @@
 """The engine replica's Prometheus metrics, with vLLM's names and meanings under `tandem:`.
 
-Two sources, chosen so the engine thread pays almost nothing:
+Two sources, chosen so the engine core pays nothing:
 
 - Gauges and counters are read at scrape time from `CoreClient.stats_snapshot`, the
   `EngineStats` every step's `CoreOutputs` already carries. Its totals are monotonic since start, so

@@ -17,7 +17,9 @@ from tandem.engine_service.input_batch import (
     prepare_host_inputs,
 )
 from tandem.engine_service.loader import build_model, read_eos_token_ids, resolve_model
-from tandem.engine_service.memory import MemoryPlan, estimate_activation_bytes, plan_kv_cache
+from tandem.engine_service.cache_spec import CacheLayout
+from tandem.engine_service.cache_tensors import CacheTensors, allocate_cache_tensors
+from tandem.engine_service.memory import MemoryPlan, estimate_activation_bytes, plan_cache, torch_dtype_name
 
 log = structlog.get_logger(__name__)
 
@@ -44,7 +46,10 @@ class ModelRunner:
     `forward` turns a step's host inputs (built from the worker's rows) into float32 logits for
     the entries that sample; the runner holds no per-request state (the worker's rows do).
 
-    The KV cache holds `num_blocks + 1` blocks per layer: the block manager is given
+    The model declares its caches per layer group (`cache_layout`); the planner sizes each
+    group (`memory_plan`, logged one line per group) and every group's tensors are allocated
+    here (`cache_tensors`; `kv_caches` is the per-layer attention cache list the model reads).
+    Each paged group holds `num_blocks + 1` blocks per layer: the block manager is given
     `num_blocks`, and the last one (`scratch_block`) is where the dummy rows of a padded
     CUDA-graph batch write. On CUDA, step inputs travel through pinned buffers without a host
     sync, and pure-decode steps replay captured CUDA graphs (unless `enforce_eager`, or the
@@ -83,28 +88,45 @@ class ModelRunner:
                 arch.hidden_size, arch.intermediate_size, arch.num_attention_heads, arch.head_dim,
                 arch.vocab_size, sc.max_num_batched_tokens, sc.max_num_seqs, self.dtype,
             )
-        self.memory_plan: MemoryPlan = plan_kv_cache(arch, cc, self.device, self.dtype, reserved_bytes=reserved)
+        sc = config.scheduler
+        self.cache_layout: CacheLayout = self.model.cache_layout(torch_dtype_name(self.dtype))
+        self.memory_plan: MemoryPlan = plan_cache(
+            self.cache_layout, cc, self.device, max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=self.max_model_len,
+            reserved_bytes=reserved,
+        )
         self.block_size = cc.block_size
         self.num_blocks = self.memory_plan.num_blocks
-        if self.num_blocks * self.block_size < self.max_model_len:
+        if self.memory_plan.paged_groups[0].sliding_window is None and self.num_blocks * self.block_size < self.max_model_len:
             log.warning(
                 "kv cache smaller than one full-length sequence",
                 cache_tokens=self.num_blocks * self.block_size, max_model_len=self.max_model_len,
             )
         self.scratch_block = self.num_blocks  # one block past the pool the block manager sees
-        shape = (2, self.num_blocks + 1, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(arch.num_hidden_layers)
-        ]
+        self.cache_tensors: CacheTensors = allocate_cache_tensors(
+            self.cache_layout, self.memory_plan, arch.num_hidden_layers, self.device
+        )
         self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if self.device.type == "cuda" and not mc.enforce_eager:
             self._capture_cuda_graphs(config)
 
+    @property
+    def kv_caches(self) -> list[torch.Tensor | None]:
+        """Per layer, the attention cache it reads (the model's `kv_caches` argument)."""
+        return self.cache_tensors.kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list[torch.Tensor | None]) -> None:
+        # Replaced, not copied: whoever swaps the caches (the throughput bench's HF peer) frees
+        # the old tensors.
+        self.cache_tensors.kv_caches = caches
+
     def _capture_cuda_graphs(self, config: EngineConfig) -> None:
         if not self.model.attn_backend.supports_cuda_graphs:
             log.info("cuda graphs off: the attention backend cannot be captured", backend=self.attention_backend)
             return
+        windows = [g.sliding_window for g in self.memory_plan.paged_groups]
         graphs = DecodeCudaGraphs(
             self.model, self.kv_caches,
             sizes=capture_sizes(config.scheduler.max_num_seqs),
@@ -113,6 +135,10 @@ class ModelRunner:
             scratch_block=self.scratch_block,
             num_kv_heads=self.arch_config.num_key_value_heads,
             device=self.device,
+            # Bounds the split count when every layer is windowed (the widest window decides).
+            sliding_window=None if None in windows else max(windows),
+            # Each further paged group pads into its own scratch block, one past its pool.
+            extra_scratch_blocks=[g.num_blocks for g in self.memory_plan.paged_groups[1:]],
         )
         try:
             graphs.capture()

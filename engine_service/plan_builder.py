@@ -1,15 +1,17 @@
 """Scheduler side of the step plan: turns each `SchedulerOutput` into a `StepPlan`.
 
 `StepPlanBuilder` remembers what the workers already know of every request (that they hold a
-row, and how many of its block ids per cache group they were sent), so a plan carries a request
-whole only once (`NewRequest`) and afterwards only its changes (`CachedRequests`). The engine tells
-it about endings (`drop`); preemptions it reads from the scheduler's output.
+row, how many of its block ids they were sent, and how many leading entries per cache group they
+know as given back), so a plan carries a request whole only once (`NewRequest`) and afterwards
+only its changes (`CachedRequests`). The engine tells it about endings (`drop`); preemptions it
+reads from the scheduler's output.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.engine_service.kv_cache import NULL_BLOCK
 from tandem.engine_service.scheduler import ScheduledSeq, SchedulerOutput
 from tandem.engine_service.sequence import Sequence, SequenceStatus
 from tandem.engine_service.step_plan import CachedRequests, NewRequest, StepPlan
@@ -20,7 +22,8 @@ class _Known:
     """What the workers hold of one request."""
 
     seq: Sequence
-    num_blocks_sent: list[int]  # per cache group
+    num_blocks_sent: int  # table length the workers hold (every group's table has this length)
+    num_null_sent: list[int]  # per cache group: leading NULL_BLOCK entries the workers know of
     preempted: bool = False  # its blocks were dropped; the next delta resumes it
 
 
@@ -42,13 +45,14 @@ class StepPlanBuilder:
 
     Invariants: a request is in `_known` exactly while the workers hold its row; an id dropped
     here is listed in the next plan's `finished_req_ids` (only if the workers knew it); the block
-    ids sent for a request, concatenated over plans since its last (re)start, equal its block
-    table. Today every request has one cache group, its `block_table`.
+    ids sent for a request per cache group, concatenated over plans since its last (re)start, with
+    the first `num_null_blocks` entries overwritten by `NULL_BLOCK`, equal its table
+    `seq.block_tables[g]` in that group (sliding-window groups give entries back from the front).
     """
 
     def __init__(self, num_cache_groups: int = 1) -> None:
-        if num_cache_groups != 1:
-            raise ValueError("the scheduler hands out block ids for one cache group today")
+        if num_cache_groups < 1:
+            raise ValueError("num_cache_groups must be >= 1")
         self.num_cache_groups = num_cache_groups
         self._known: dict[str, _Known] = {}
         self._finished: list[str] = []
@@ -72,8 +76,8 @@ class StepPlanBuilder:
         seq = item.seq
         if known is not None:  # a reused id whose old row was never dropped
             self.drop(seq.request_id)
-        groups = [list(seq.block_table)]  # one cache group today
-        self._known[seq.request_id] = _Known(seq, [len(g) for g in groups])
+        groups = self._tables(seq)
+        self._known[seq.request_id] = _Known(seq, len(groups[0]), [_null_prefix(g, 0) for g in groups])
         return NewRequest(
             request_id=seq.request_id,
             token_ids=seq.token_ids,
@@ -84,7 +88,15 @@ class StepPlanBuilder:
             num_computed_tokens=seq.num_computed_tokens,
             num_scheduled_tokens=item.num_new_tokens,
             sample=item.sample,
+            state_slot=seq.state_slot,
         )
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        """Copies of the sequence's tables, one per cache group (checked against the plan's count)."""
+        tables = seq.block_tables
+        if len(tables) != self.num_cache_groups:
+            raise ValueError(f"{seq.request_id}: {len(tables)} cache groups, the plan has {self.num_cache_groups}")
+        return [list(t) for t in tables]
 
     def build(self, out: SchedulerOutput) -> PlannedStep:
         """The plan for `out`. Scheduled sequences already finished (ended while the plan was
@@ -96,12 +108,13 @@ class StepPlanBuilder:
             known = self._known.get(seq.request_id)
             if known is not None and known.seq is seq and not known.preempted:
                 known.preempted = True
-                known.num_blocks_sent = [0] * self.num_cache_groups
+                known.num_blocks_sent = 0
+                known.num_null_sent = [0] * self.num_cache_groups
                 preempted.append(seq.request_id)
         cached = CachedRequests()
         ids, blocks, computed = cached.request_ids, cached.new_block_ids, cached.num_computed_tokens
         scheduled, sample, resumed = cached.num_scheduled_tokens, cached.sample, cached.resumed
-        state_slots = cached.state_slots
+        state_slots, nulls = cached.state_slots, cached.num_null_blocks
         new: list[NewRequest] = []
         cached_items: list[ScheduledSeq] = []
         new_items: list[ScheduledSeq] = []
@@ -115,19 +128,32 @@ class StepPlanBuilder:
                 new.append(self._new_request(item, known))
                 new_items.append(item)
                 continue
-            # One cache group today: its table is the sequence's block table.
-            table = seq.block_table
+            tables = seq.block_tables
             sent = known.num_blocks_sent
             ids.append(seq.request_id)
             if known.preempted:
-                blocks.append([list(table)])
+                whole = self._tables(seq)
+                blocks.append(whole)
                 known.preempted = False
+                known.num_null_sent = [_null_prefix(t, 0) for t in whole]
                 resumed.append(True)
+                state_slots.append(seq.state_slot)
+                nulls.append(None)  # the whole tables carry their NULL_BLOCK entries
             else:
-                blocks.append([table[sent[0]:]] if len(table) > sent[0] else None)
+                length = len(tables[0])
+                blocks.append([t[sent:] for t in tables] if length > sent else None)
                 resumed.append(False)
-            sent[0] = len(table)
-            state_slots.append(None)  # no model declares per-request state yet
+                state_slots.append(None)  # unchanged while the request runs
+                # Entries given back by a sliding window since the last plan (a prefix that only grows).
+                known_nulls = known.num_null_sent
+                grown = None
+                for g, table in enumerate(tables):
+                    k = known_nulls[g]
+                    if k < len(table) and table[k] == NULL_BLOCK:
+                        known_nulls[g] = _null_prefix(table, k)
+                        grown = True
+                nulls.append(list(known_nulls) if grown else None)
+            known.num_blocks_sent = len(tables[0])
             computed.append(seq.num_computed_tokens)
             scheduled.append(item.num_new_tokens)
             sample.append(item.sample)
@@ -143,3 +169,11 @@ class StepPlanBuilder:
         self._finished = []
         self._next_step_id += 1
         return PlannedStep(plan, cached_items + new_items)
+
+
+def _null_prefix(table: list[int], start: int) -> int:
+    """Length of the leading run of `NULL_BLOCK` entries in `table`, known to be at least `start`."""
+    k = start
+    while k < len(table) and table[k] == NULL_BLOCK:
+        k += 1
+    return k

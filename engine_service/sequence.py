@@ -52,9 +52,16 @@ class Sequence:
         self.pending_row = -1
         # Prompt tokens served from the prefix cache at the first admission (reported in usage).
         self.num_cached_prompt_tokens: int | None = None
-        self.block_table: list[int] = []
-        # Hashes of this sequence's full blocks, in order (filled by the block manager).
+        # One block table per paged cache group (the block manager adds the others on admission);
+        # `block_table` is the primary group's. A sliding-window group's entries before the window
+        # are `NULL_BLOCK` once freed.
+        self.block_tables: list[list[int]] = [[]]
+        # Hashes of this sequence's full blocks, in order (filled by the block manager; the same
+        # for every group, as all groups share the block size).
         self.block_hashes: list[int] = []
+        # The request's slot in the state groups' pools (recurrent/convolution state), held from
+        # admission to finish, abort, error or preemption; None without state groups.
+        self.state_slot: int | None = None
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         # What ended it: a stop token, a stop token sequence, or the scheduler (typed).
@@ -67,6 +74,16 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(params.seed)
+
+    # -- cache views -------------------------------------------------------------------------
+    @property
+    def block_table(self) -> list[int]:
+        """The primary paged cache group's block table (`block_tables[0]`)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     # -- token views -------------------------------------------------------------------------
     @property

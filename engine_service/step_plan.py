@@ -5,8 +5,9 @@ A worker keeps one persistent row per request (`worker_rows.py`) and is told onl
 - `NewRequest`: a request the worker does not know yet, whole — its known token ids, sampling
   parameters, block ids per cache group, optional state slot, and this step's share.
 - `CachedRequests`: the requests the worker already holds (as columns) — only the block ids
-  added since the last plan (per group), the computed-token count, this step's share, and
-  whether the request resumes after a preemption (then its block ids replace the row's).
+  added since the last plan (per group), how many leading table entries a sliding window has
+  given back since (per group), the computed-token count, this step's share, and whether the
+  request resumes after a preemption (then its block ids and state slot replace the row's).
 - `finished_req_ids` (finished or aborted: drop the row) and `preempted_req_ids` (drop the
   row's blocks, keep its tokens and its random generator: it comes back as a resumed request).
 
@@ -20,7 +21,15 @@ restricted to the entries with `sample`.
 Invariants: a request id appears at most once among `new_requests` and `cached_requests`; the
 columns of `cached_requests` have equal lengths; ids in
 `finished_req_ids` are dropped before the step's requests are applied, so an id may finish and be
-new in the same plan (a reused id); block ids are listed per cache group (today one group).
+new in the same plan (a reused id); block ids are listed per paged cache group
+(`num_cache_groups` of them, every group's table of a request has the same length).
+
+Tables do not only grow: in a sliding-window group the block manager gives back blocks behind the
+window and leaves `NULL_BLOCK` in their entries (always a prefix of the table). A worker never
+keeps such a stale id: a given-back block may be handed to another request at once, so the plan
+marks those entries (`CachedRequests.num_null_blocks`) and the worker's table equals the
+scheduler's after every plan — the same arrays as the Sequence-reading path, with no reliance on
+every kernel path skipping positions before the window.
 """
 
 from __future__ import annotations
@@ -58,7 +67,10 @@ class CachedRequests(msgspec.Struct, kw_only=True, array_like=True, gc=False):
 
     `new_block_ids[i]` is None when request i got no new block, else its added block ids per
     cache group — appended to the row's tables, or, when `resumed[i]` (back from a preemption),
-    the whole new tables. `state_slots[i]` is the slot a resumed request holds now (a slot is
+    the whole new tables. `num_null_blocks[i]` is None when no entry of request i's tables was
+    given back since the last plan, else per cache group the length of the table's leading run
+    of `NULL_BLOCK` entries (sliding-window groups free from the front; the worker overwrites
+    those entries, applied after `new_block_ids`). `state_slots[i]` is the slot a resumed request holds now (a slot is
     given back at preemption and taken again at resume; None otherwise, and for requests
     without per-request state). `num_computed_tokens[i]` is authoritative (prefix hits after a resume
     may change it). Columns rather than one object per request: a decode step of 256 requests
@@ -73,12 +85,14 @@ class CachedRequests(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     sample: list[bool] = msgspec.field(default_factory=list)
     resumed: list[bool] = msgspec.field(default_factory=list)
     state_slots: list[int | None] = msgspec.field(default_factory=list)
+    num_null_blocks: list[list[int] | None] = msgspec.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
     def append(self, request_id: str, new_block_ids: list[list[int]] | None, num_computed_tokens: int,
-               num_scheduled_tokens: int, sample: bool, resumed: bool = False, state_slot: int | None = None) -> None:
+               num_scheduled_tokens: int, sample: bool, resumed: bool = False, state_slot: int | None = None,
+               num_null_blocks: list[int] | None = None) -> None:
         """Add one request's delta (tests and tools; the plan builder fills the columns itself)."""
         self.request_ids.append(request_id)
         self.new_block_ids.append(new_block_ids)
@@ -87,6 +101,7 @@ class CachedRequests(msgspec.Struct, kw_only=True, array_like=True, gc=False):
         self.sample.append(sample)
         self.resumed.append(resumed)
         self.state_slots.append(state_slot)
+        self.num_null_blocks.append(num_null_blocks)
 
 
 class KVConnectorMetadata(msgspec.Struct, kw_only=True):

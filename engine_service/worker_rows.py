@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tandem.engine_service.input_batch import PENDING_PLACEHOLDER, HostInputs, assemble_host_inputs
 from tandem.core_protocol import SamplingParams
+from tandem.engine_service.input_batch import PENDING_PLACEHOLDER, HostInputs, assemble_host_inputs
+from tandem.engine_service.kv_cache import NULL_BLOCK
 from tandem.engine_service.step_plan import NewRequest, StepPlan
 
 
@@ -128,7 +129,9 @@ class WorkerRows:
     worker's own sampled tokens (`RequestRow.mark_pending` / `confirm_token`).
 
     `apply` drops finished rows first, then drops the blocks of preempted ones, then updates
-    cached rows and adds new ones; it rejects a plan that names a row it does not hold (or adds
+    cached rows (appended block ids, then entries a sliding window gave back set to `NULL_BLOCK`,
+    so a row never keeps the id of a block the scheduler may already have handed to another
+    request) and adds new ones; it rejects a plan that names a row it does not hold (or adds
     one it already holds), so a scheduler/worker mismatch fails loudly instead of running with
     stale inputs.
     """
@@ -164,13 +167,15 @@ class WorkerRows:
             row.state_slot = None
         cached = plan.cached_requests
         columns = (cached.new_block_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.sample,
-                   cached.resumed, cached.state_slots)
+                   cached.resumed, cached.state_slots, cached.num_null_blocks)
         if any(len(column) != len(cached.request_ids) for column in columns):
             raise ValueError("the plan's cached-request columns differ in length")
         batch_rows: list[RequestRow] = []
         groups = self.num_cache_groups
-        for rid, added, computed, resumed, slot in zip(cached.request_ids, cached.new_block_ids,
-                                                       cached.num_computed_tokens, cached.resumed, cached.state_slots):
+        for rid, added, computed, resumed, slot, nulls in zip(
+            cached.request_ids, cached.new_block_ids, cached.num_computed_tokens, cached.resumed, cached.state_slots,
+            cached.num_null_blocks,
+        ):
             row = rows.get(rid)
             if row is None:
                 raise ValueError(f"{rid}: the plan names a request the worker does not hold")
@@ -186,6 +191,8 @@ class WorkerRows:
                 row.block_ids = [[] for _ in range(groups)]
             if resumed:
                 row.state_slot = slot
+            if nulls is not None:
+                _mark_given_back(row, nulls)
             row.num_computed_tokens = computed
             batch_rows.append(row)
         num_scheduled = list(cached.num_scheduled_tokens)
@@ -208,16 +215,30 @@ class WorkerRows:
         return row
 
 
+def _mark_given_back(row: RequestRow, nulls: list[int]) -> None:
+    """Set the first `nulls[g]` entries of the row's table in group g to `NULL_BLOCK` (walking
+    back from the end of that prefix to the entries already marked)."""
+    if len(nulls) != len(row.block_ids):
+        raise ValueError(f"{row.request_id}: given-back counts for {len(nulls)} cache groups")
+    for table, n in zip(row.block_ids, nulls):
+        if n > len(table):
+            raise ValueError(f"{row.request_id}: {n} given-back entries in a table of {len(table)}")
+        for i in range(n - 1, -1, -1):
+            if table[i] == NULL_BLOCK:
+                break
+            table[i] = NULL_BLOCK
+
+
 def host_inputs_from_rows(batch: StepBatch, block_size: int) -> HostInputs:
     """The step's host arrays from the rows: for each entry the tokens
-    `[num_computed, num_computed + num_scheduled)` of its row, cache group 0's block table
-    (must cover them) and, for a pending last token, its source row. Only a row's last
-    scheduled token may be pending."""
+    `[num_computed, num_computed + num_scheduled)` of its row, its block table in every cache
+    group (each must cover them; tables and slot mappings via `assemble_host_inputs`, the same
+    code the Sequence-shaped path uses) and, for a pending last token, its source row. Only a
+    row's last scheduled token may be pending."""
     if not batch.rows:
         raise ValueError("empty batch")
     token_chunks: list[list[int]] = []
     seq_lens: list[int] = []
-    tables: list[list[int]] = []
     pending_dst: list[int] = []
     pending_src: list[int] = []
     num_tokens = 0
@@ -228,11 +249,11 @@ def host_inputs_from_rows(batch: StepBatch, block_size: int) -> HostInputs:
         end = start + n
         if n < 1 or end > known + row.num_pending_tokens:
             raise ValueError(f"{row.request_id}: cannot run {n} new tokens from {start} (row has {row.num_tokens})")
-        table = row.block_ids[0]  # one cache group today; more groups add tables, not rows
-        if len(table) * block_size < end:
-            raise ValueError(
-                f"{row.request_id}: {len(table)} blocks cannot hold {end} tokens (block size {block_size})"
-            )
+        for table in row.block_ids:  # every group's table has the same length
+            if len(table) * block_size < end:
+                raise ValueError(
+                    f"{row.request_id}: {len(table)} blocks cannot hold {end} tokens (block size {block_size})"
+                )
         if end > known:
             if end - known > 1 or row.num_pending_tokens != 1:
                 raise ValueError(f"{row.request_id}: only the last new token may be pending")
@@ -242,7 +263,8 @@ def host_inputs_from_rows(batch: StepBatch, block_size: int) -> HostInputs:
         else:
             token_chunks.append(tokens[start:end])
         seq_lens.append(end)
-        tables.append(table)
         num_tokens += n
-    return assemble_host_inputs(token_chunks, batch.num_scheduled_tokens, seq_lens, tables, batch.sample, block_size,
-                                np.asarray(pending_dst, dtype=np.int64), np.asarray(pending_src, dtype=np.int64))
+    group_tables = [batch.block_tables(g) for g in range(len(batch.rows[0].block_ids))]
+    return assemble_host_inputs(token_chunks, batch.num_scheduled_tokens, seq_lens, group_tables, batch.sample,
+                                block_size, np.asarray(pending_dst, dtype=np.int64),
+                                np.asarray(pending_src, dtype=np.int64))

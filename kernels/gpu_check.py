@@ -108,6 +108,10 @@ def _decode_cases(quick: bool, device: torch.device, gen: torch.Generator) -> It
     ragged = torch.randint(1, 8193, (32,), generator=gen, device=device).tolist()
     yield _decode_case(device, gen, "qwen3-ragged", 32, 8, 128, ragged, None)
     yield _decode_case(device, gen, "smollm2", 9, 3, 64, [1000, 37, 2049, 16] * 2, None)
+    # Sliding window of 1k at 8k context: only the window's K/V count as bytes moved, so the
+    # bandwidth column shows whether the kernel skips the blocks before the window.
+    for batch in (1, 64) if quick else (1, 16, 64, 256):
+        yield _decode_case(device, gen, "qwen3-sw1k", 32, 8, 128, [8192] * batch, None, window=1024)
 
 
 def _decode_case(
@@ -119,6 +123,7 @@ def _decode_case(
     head_dim: int,
     seq_lens_list: list[int],
     num_splits: int | None,
+    window: int | None = None,
 ) -> Case:
     batch = len(seq_lens_list)
     cache, tables = _paged_cache(seq_lens_list, kv_heads, head_dim, device, gen)
@@ -128,25 +133,29 @@ def _decode_case(
     scale = head_dim**-0.5
     splits = num_splits
     if splits is None:
+        max_context = tables.shape[1] * BLOCK_SIZE
         splits = paged_attention.choose_num_splits(
-            batch, kv_heads, tables.shape[1] * BLOCK_SIZE,
+            batch, kv_heads, min(max_context, window or max_context),
             torch.cuda.get_device_properties(device).multi_processor_count,
         )
 
     def run() -> None:
-        paged_attention.paged_decode_attention(q, cache, tables, seq_lens, scale, num_splits, out=out)
+        paged_attention.paged_decode_attention(q, cache, tables, seq_lens, scale, num_splits, out=out,
+                                               sliding_window=window)
 
     def compare() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        ref = paged_attention.paged_decode_attention_reference(q, cache, tables, seq_lens, scale)
+        ref = paged_attention.paged_decode_attention_reference(q, cache, tables, seq_lens, scale,
+                                                               sliding_window=window)
         return [("out", out, ref)]
 
     elt = cache.element_size()
-    total = sum(seq_lens_list)
+    total = sum(min(n, window or n) for n in seq_lens_list)  # keys the query actually sees
     return Case(
         kernel="paged_decode_attention",
-        name=f"{model} B={batch} ctx={'ragged' if 'ragged' in model else max(seq_lens_list)}",
+        name=f"{model} B={batch} ctx={'ragged' if 'ragged' in model else max(seq_lens_list)}"
+             + (f" window={window}" if window else ""),
         params={"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                "total_context": total, "num_splits": splits},
+                "total_context": total, "num_splits": splits, "sliding_window": window},
         run=run,
         compare=compare,
         prepare=lambda: out.fill_(float("nan")),
@@ -166,10 +175,12 @@ def _prefill_cases(quick: bool, device: torch.device, gen: torch.Generator) -> I
     q_lens = [1, 300, 17, 2048, 64, 1]
     ctxs = [4000, 300, 1000, 2048, 8192, 1]
     yield _prefill_case(device, gen, "qwen3 ragged", q_lens, ctxs)
+    yield _prefill_case(device, gen, "qwen3-sw1k chunk-after-prefix", [512] * 4, [8192] * 4, window=1024)
 
 
 def _prefill_case(
-    device: torch.device, gen: torch.Generator, label: str, q_lens: list[int], ctxs: list[int]
+    device: torch.device, gen: torch.Generator, label: str, q_lens: list[int], ctxs: list[int],
+    window: int | None = None,
 ) -> Case:
     heads, kv_heads, head_dim = QWEN3["heads"], QWEN3["kv_heads"], QWEN3["head_dim"]
     cache, tables = _paged_cache(ctxs, kv_heads, head_dim, device, gen)
@@ -186,24 +197,28 @@ def _prefill_case(
 
     def run() -> None:
         paged_attention.paged_prefill_attention(q, cache, qsl, seq_lens, tables, scale, max_q,
-                                                out=out)
+                                                out=out, sliding_window=window)
 
     def compare() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         ref = paged_attention.paged_prefill_attention_reference(q, cache, qsl, seq_lens, tables,
-                                                                scale)
+                                                                scale, sliding_window=window)
         return [("out", out, ref)]
 
-    # Causal work: row i of a chunk sees (ctx - q_len + i + 1) keys.
-    visible = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(q_lens, ctxs))
+    # Causal work: row i of a chunk sees (ctx - q_len + i + 1) keys (at most the window).
+    if window is None:
+        visible = sum(n * (c - n) + n * (n + 1) // 2 for n, c in zip(q_lens, ctxs))
+    else:
+        visible = sum(min(c - n + i + 1, window) for n, c in zip(q_lens, ctxs) for i in range(n))
+    read = sum(c if window is None else min(c, n - 1 + window) for n, c in zip(q_lens, ctxs))
     elt = q.element_size()
     return Case(
         kernel="paged_prefill_attention",
-        name=f"{label} B={len(q_lens)} q={max_q} ctx={max(ctxs)}",
-        params={"q_lens": q_lens, "context_lens": ctxs},
+        name=f"{label} B={len(q_lens)} q={max_q} ctx={max(ctxs)}" + (f" window={window}" if window else ""),
+        params={"q_lens": q_lens, "context_lens": ctxs, "sliding_window": window},
         run=run,
         compare=compare,
         prepare=lambda: out.fill_(float("nan")),
-        bytes_moved=sum(ctxs) * kv_heads * head_dim * 2 * elt + 2 * q.numel() * elt,
+        bytes_moved=read * kv_heads * head_dim * 2 * elt + 2 * q.numel() * elt,
         flops=4 * visible * heads * head_dim,
     )
 

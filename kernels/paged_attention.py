@@ -26,6 +26,13 @@ diagonal skip the causal mask. Each K/V tile is read once per query tile and hea
 elt`` — prefill is compute-bound for query tiles of 64 rows (H200, bf16, Qwen3-8B heads:
 200–365 TFLOP/s, from a 1k prompt to an 8k one).
 
+Sliding window (``sliding_window=W``, a per-layer constant, so CUDA graphs capture it): the
+query at position p sees keys ``p - W + 1 .. p``. Decode starts its tiles at ``seq_len - W``, so
+it reads only the window's blocks (KV bytes ``B * min(seq_len, W) * ...``) and the split count is
+chosen from the window; prefill starts each query tile at its first row's window and masks per
+row. Entries of the block table before the window are never read (the block manager gives those
+blocks back). The references apply the same mask.
+
 No autotuning: tile sizes and warps are fixed per head_dim, so the kernels can be captured in
 CUDA graphs without a tuning run at capture time.
 """
@@ -87,6 +94,7 @@ def _decode_kernel(
     stride_bt,
     stride_ob,
     stride_oh,
+    window,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -94,6 +102,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -103,10 +112,15 @@ def _decode_kernel(
     num_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    # The query (position seq_len - 1) sees keys from `lo` on: the window's first position, so
+    # blocks before it are never read (they may have been given back to the pool).
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
     # Splits own whole tiles: balanced per sequence from its real length, so a padded block
     # table (CUDA graphs) does not leave all the work to the first split.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits)
-    start = split * tiles_per_split * TILE_N
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lo, TILE_N), num_splits)
+    start = lo + split * tiles_per_split * TILE_N
     end = tl.minimum(start + tiles_per_split * TILE_N, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -226,12 +240,14 @@ def _prefill_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
@@ -268,6 +284,12 @@ def _prefill_kernel(
     last_pos = tl.minimum(first_pos + BLOCK_M, seq_len) - 1
     # Tiles whose every key is <= first_pos are visible to all rows: no mask needed there.
     unmasked_end = ((first_pos + 1) // TILE_N) * TILE_N
+    masked_start = unmasked_end
+    if SLIDING:
+        # Keys before the first row's window are never read; every tile is masked (each row's
+        # window starts elsewhere).
+        unmasked_end = 0
+        masked_start = tl.maximum(first_pos - window + 1, 0)
 
     for n0 in range(0, unmasked_end, TILE_N):
         pos = n0 + offs_n
@@ -284,7 +306,7 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + dot(p, v, DOT_PRECISION)
         m_i = m_new
 
-    for n0 in range(unmasked_end, last_pos + 1, TILE_N):
+    for n0 in range(masked_start, last_pos + 1, TILE_N):
         pos = n0 + offs_n
         valid = pos <= last_pos
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
@@ -292,11 +314,17 @@ def _prefill_kernel(
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         s = dot(q, tl.trans(k), DOT_PRECISION) * scale_log2
-        # Rows past q_len have q_pos > last_pos, so they see every loaded key and stay finite.
-        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        # Rows past q_len have q_pos > last_pos, so they see every loaded key (unless windowed).
+        visible = pos[None, :] <= q_pos[:, None]
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # A row that has seen no visible key yet (its window starts later) keeps m = -inf:
+        # subtract 0 instead, so it stays at p = 0, alpha = 0 rather than NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         p = p.to(v.dtype)
@@ -322,6 +350,11 @@ def _check_cache(kv_cache: torch.Tensor, num_heads: int, head_dim: int, dtype: t
     num_kv_heads = kv_cache.shape[3]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+
+
+def _check_window(sliding_window: int | None) -> None:
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
 
 
 def choose_num_splits(
@@ -374,8 +407,12 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
+
+    With ``sliding_window`` W the query (position ``seq_len - 1``) sees only the last W keys,
+    and only the blocks holding them are read (entries before them may be stale or given back).
 
     q ``[B, H, D]``; kv_cache ``[2, num_blocks, block_size, Hkv, D]``; block_tables ``[B, M]``
     int32; seq_lens ``[B]`` int32 (context length including the query token, whose K/V must
@@ -401,6 +438,7 @@ def paged_decode_attention(
         check_contiguous_last_dim("out", out)
         if out.dtype != q.dtype:
             raise TypeError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
+    _check_window(sliding_window)
     if batch == 0:
         return out
 
@@ -411,6 +449,8 @@ def paged_decode_attention(
     tile_n, num_warps, num_stages = _decode_config(head_dim_pad)
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            max_context = min(max_context, sliding_window)
         num_splits = choose_num_splits(
             batch, num_kv_heads, max_context, num_compute_units(device), tile_n
         )
@@ -446,6 +486,7 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        sliding_window or 0,
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
@@ -453,6 +494,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         SPLIT=num_splits > 1,
+        SLIDING=sliding_window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -483,8 +525,12 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Variable-length causal attention for a flat batch of query chunks over the paged cache.
+
+    With ``sliding_window`` W the row at position p sees keys ``p - W + 1 .. p`` only; blocks
+    before the chunk's first window are not read.
 
     q ``[T, H, D]`` with sequence b's rows at ``query_start_loc[b]:query_start_loc[b+1]`` (int32,
     ``[B+1]``); they are positions ``seq_lens[b]-q_len_b .. seq_lens[b]-1``, and the K/V of every
@@ -517,6 +563,7 @@ def paged_prefill_attention(
         check_contiguous_last_dim("out", out)
         if out.dtype != q.dtype:
             raise TypeError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
+    _check_window(sliding_window)
     if batch == 0 or max_query_len <= 0:
         return out
 
@@ -542,12 +589,14 @@ def paged_prefill_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        sliding_window or 0,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         TILE_N=tile_n,
+        SLIDING=sliding_window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -570,15 +619,20 @@ def _gather_context(
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """q ``[n, H, D]`` fp32 at positions q_pos; k/v ``[L, Hkv, D]`` fp32; causal by position."""
+    """q ``[n, H, D]`` fp32 at positions q_pos; k/v ``[L, Hkv, D]`` fp32; causal by position,
+    and within ``sliding_window`` keys of each query when given."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
     key_pos = torch.arange(k.shape[0], device=q.device)
     scores = scores.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    if sliding_window is not None:
+        hidden = key_pos[None, None, :] <= q_pos[None, :, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), v)
 
 
@@ -588,6 +642,7 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Float32 PyTorch twin of :func:`paged_decode_attention` (defines its semantics)."""
     out = torch.zeros_like(q)
@@ -596,7 +651,7 @@ def paged_decode_attention_reference(
             continue
         k, v = _gather_context(kv_cache, block_tables[b], length)
         q_pos = torch.tensor([length - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1].float(), k, v, q_pos, scale)[0].to(q.dtype)
+        out[b] = _attend(q[b : b + 1].float(), k, v, q_pos, scale, sliding_window)[0].to(q.dtype)
     return out
 
 
@@ -608,6 +663,7 @@ def paged_prefill_attention_reference(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Float32 PyTorch twin of :func:`paged_prefill_attention` (``max_query_len`` is unused)."""
     out = torch.zeros_like(q)
@@ -618,5 +674,5 @@ def paged_prefill_attention_reference(
             continue
         k, v = _gather_context(kv_cache, block_tables[b], length)
         q_pos = torch.arange(length - (hi - lo), length, device=q.device)
-        out[lo:hi] = _attend(q[lo:hi].float(), k, v, q_pos, scale).to(q.dtype)
+        out[lo:hi] = _attend(q[lo:hi].float(), k, v, q_pos, scale, sliding_window).to(q.dtype)
     return out

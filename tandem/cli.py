@@ -323,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="engine + frontend together")
     options.add_engine_flags(serve)
     options.add_flags(serve, ServerArgs, title="frontend server")
-    options.add_flags(serve, FrontendArgs, title="frontend", skip=("engine", "workers", "engine_connect_timeout"))
+    options.add_flags(serve, FrontendArgs, {"engine_transport": "mux"}, title="frontend",
+                      skip=("engine", "workers", "engine_connect_timeout"))
     options.add_flags(serve, ServeArgs, {"frontend_workers": "auto"}, title="engine child and frontend workers")
     options.add_flags(serve, EngineCoreArgs, title="engine core")
     options.add_flags(serve, MetricsArgs, title="metrics (the frontend's)")

@@ -44,8 +44,9 @@ class FrontendArgs:
                                     metavar="HOST:PORT")
     tokenizer: str | None = _opt(None, "model directory with the tokenizer (default: the engine's)")
     served_model_name: str | None = _opt(None, "model name clients may ask for (default: the engine's --model)")
-    engine_transport: str = _opt("mux", "frontend-engine transport: a Stream call per choice, or one "
-                                        "multiplexed stream per engine (the faster one at high concurrency)",
+    engine_transport: str = _opt("stream", "frontend-engine transport: a Stream call per choice, or one "
+                                           "multiplexed stream per engine (the faster one at high concurrency; "
+                                           "tandem serve's default)",
                                  choices=("stream", "mux"))
     workers: int = _opt(1, "frontend processes sharing the port (SO_REUSEPORT); metrics ports count up "
                            "from --metrics-port")

@@ -87,7 +87,7 @@ def start_metrics_endpoint(registry: CollectorRegistry, host: str, port: int) ->
     """Serves `registry` in the Prometheus text format on http://host:port/ (any path).
 
     The server runs on its own thread, so a scrape never waits on the asyncio loop or the
-    engine thread; collectors that read engine state read the engine's last snapshot.
+    engine core; collectors that read engine state read the core's last stats snapshot.
     """
     # The `_created` timestamp series double the scrape's size and nothing here reads them
     # (vLLM turns them off too). The switch is process-wide; only server processes get here.

@@ -13,7 +13,7 @@ kernels (`layers/triton_backend.py`) on CUDA, the PyTorch reference on CPU, or w
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
 
@@ -48,6 +48,23 @@ class AttentionMetadata:
     # Split-KV factor for the decode kernel; fixed per batch bucket by a captured CUDA graph
     # (a graph replays one launch configuration), None lets the kernel choose from shapes.
     decode_num_splits: int | None = None
+    # (block_tables, slot_mapping) of paged cache groups 1, 2, ...; the fields above are group 0's.
+    extra_groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    _group_views: dict[int, "AttentionMetadata"] = field(default_factory=dict, repr=False, compare=False)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """This step's metadata as paged cache group `group`'s layers see it (its block table and
+        slot mapping; everything else shared)."""
+        if group == 0:
+            return self
+        view = self._group_views.get(group)
+        if view is None:
+            if group > len(self.extra_groups):
+                raise ValueError(f"the step has no block tables for cache group {group}")
+            tables, slots = self.extra_groups[group - 1]
+            view = replace(self, block_tables=tables, slot_mapping=slots, extra_groups=(), _group_views={})
+            self._group_views[group] = view
+        return view
 
     @property
     def num_seqs(self) -> int:
@@ -80,22 +97,31 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V (`[seq_len, num_kv_heads, head_dim]`) of positions 0..seq_len-1 of one sequence."""
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first_block: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (`[seq_len - first_block * block_size, num_kv_heads, head_dim]`) of positions
+    `first_block * block_size .. seq_len - 1` of one sequence (earlier blocks are not read)."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
-    blocks = kv_cache[:, block_table[:num_blocks].long()]  # [2, n, block_size, kvh, d]
-    flat = blocks.flatten(1, 2)[:, :seq_len]
+    blocks = kv_cache[:, block_table[first_block:num_blocks].long()]  # [2, n, block_size, kvh, d]
+    flat = blocks.flatten(1, 2)[:, : seq_len - first_block * block_size]
     return flat[0], flat[1]
 
 
 def paged_attention_reference(
-    q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached context, in float32.
 
     `q` is `[T, num_heads, head_dim]`; the K/V of this step must already be in the cache. The
-    query rows of a sequence sit at positions `seq_len - q_len .. seq_len - 1`.
+    query rows of a sequence sit at positions `seq_len - q_len .. seq_len - 1`. With a
+    `sliding_window` W, the query at position p sees keys `p - W + 1 .. p` only, and blocks
+    wholly before the first query's window are not read (they may have been given back).
     """
     num_heads = q.shape[1]
     num_kv_heads = kv_cache.shape[3]
@@ -104,11 +130,17 @@ def paged_attention_reference(
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     start = 0
+    block_size = kv_cache.shape[2]
     for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
-        k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
+        first_block = 0
+        if sliding_window is not None:
+            first_block = max(0, seq_len - q_len - sliding_window + 1) // block_size
+        k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len, first_block)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len], True = attend
+        k_pos = torch.arange(first_block * block_size, seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, keys], True = attend
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
         qi = q[start : start + q_len].transpose(0, 1).float()  # [heads, q_len, d]
         ki = k.repeat_interleave(group, dim=1).transpose(0, 1).float()
         vi = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
@@ -140,6 +172,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # keys p - W + 1 .. p only; a per-layer constant
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
@@ -160,9 +193,10 @@ class TorchReferenceBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, metadata.slot_mapping)
-        return paged_attention_reference(q, kv_cache, metadata, scale)
+        return paged_attention_reference(q, kv_cache, metadata, scale, sliding_window)
 
 
 def select_attention_backend(device: torch.device | str, choice: str = "auto") -> AttentionBackend:
@@ -206,7 +240,13 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -216,12 +256,14 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        # Fixed per layer, so a captured CUDA graph bakes it in as a kernel argument.
+        self.sliding_window = sliding_window
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """`q [T, heads, d]`, `k`/`v [T, kv_heads, d]` -> `[T, heads * d]`."""
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.sliding_window)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def forward_rotary(
@@ -243,12 +285,13 @@ class Attention(nn.Module):
         if rotary is None:
             raise TypeError(f"attention backend {self.backend.name!r} cannot fuse RoPE")
         out = rotary(
-            q, k, v, kv_cache, metadata, self.scale, cos_sin_cache, q_norm_weight, k_norm_weight, eps
+            q, k, v, kv_cache, metadata, self.scale, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
+            sliding_window=self.sliding_window,
         )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"backend={self.backend.name}"
+            f"backend={self.backend.name}, sliding_window={self.sliding_window}"
         )

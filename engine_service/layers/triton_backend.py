@@ -36,10 +36,11 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """q/k already rotated: store K/V at `metadata.slot_mapping`, then attend."""
         store_kv(k, v, kv_cache, metadata.slot_mapping)
-        return self._attend(q, kv_cache, metadata, scale)
+        return self._attend(q, kv_cache, metadata, scale, sliding_window)
 
     def forward_rotary(
         self,
@@ -53,6 +54,7 @@ class TritonAttentionBackend:
         q_norm_weight: torch.Tensor | None = None,
         k_norm_weight: torch.Tensor | None = None,
         eps: float = 1e-6,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Rotate q and k in place at `metadata.positions` and store K/V in the same kernel, then
         attend. `q`/`k`/`v` may be strided views of one fused projection output. With the norm
@@ -61,18 +63,21 @@ class TritonAttentionBackend:
             metadata.positions, q, k, v, cos_sin_cache, kv_cache, metadata.slot_mapping,
             q_norm_weight, k_norm_weight, eps,
         )
-        return self._attend(q, kv_cache, metadata, scale)
+        return self._attend(q, kv_cache, metadata, scale, sliding_window)
 
     @staticmethod
-    def _attend(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _attend(
+        q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         # A fresh contiguous output: q may be a strided view of the qkv projection.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if metadata.is_pure_decode:
             return paged_decode_attention(
                 q, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
-                num_splits=metadata.decode_num_splits, out=out,
+                num_splits=metadata.decode_num_splits, out=out, sliding_window=sliding_window,
             )
         return paged_prefill_attention(
             q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
-            metadata.max_query_len, out=out,
+            metadata.max_query_len, out=out, sliding_window=sliding_window,
         )

@@ -4,6 +4,11 @@ The variants differ only in a few switches read from the Hugging Face config:
 - Qwen2: bias on the q/k/v projections (not on o_proj).
 - Qwen3: per-head RMSNorm on queries and keys (`q_norm`, `k_norm`) before RoPE, no bias.
 - Llama 3.x / YaRN models: RoPE frequency scaling (see `layers/rotary.py`).
+- Mistral: every layer attends over a sliding window (`sliding_window`); Qwen2/Qwen3 with
+  `use_sliding_window`: the layers `layer_types` marks "sliding_attention" do.
+
+The model declares its caches (`cache_layout`): one full-attention group and one group per
+distinct window; each layer reads its group's block table from the step metadata.
 
 Parameter names match the Hugging Face checkpoints so safetensors load by name.
 
@@ -24,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine_service.cache_spec import CacheLayout, attention_layout
 from tandem.engine_service.layers.activation import silu_and_mul
 from tandem.engine_service.layers.attention import (
     Attention,
@@ -58,6 +64,34 @@ class DecoderConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # Per layer: the attention window (None = full attention); empty means every layer is full.
+    layer_windows: tuple[int | None, ...] = ()
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return self.layer_windows or (None,) * self.num_hidden_layers
+
+
+def layer_windows_from_hf(family: str, hf: Mapping[str, Any]) -> tuple[int | None, ...]:
+    """Per-layer attention windows as transformers applies them (None = full attention).
+
+    Mistral windows every layer when `sliding_window` is set. Qwen2/Qwen3 window only with
+    `use_sliding_window`, on the layers `layer_types` names "sliding_attention" (derived as
+    transformers does, from `max_window_layers`, when the config has no `layer_types`).
+    """
+    n = hf["num_hidden_layers"]
+    if family == "mistral":
+        return (hf.get("sliding_window"),) * n
+    if family not in ("qwen2", "qwen3"):
+        return (None,) * n
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    types = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(n)
+    ]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise NotImplementedError(f"layer_types {types!r} is not supported (only full and sliding attention)")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 class LlamaMLP(nn.Module):
@@ -84,9 +118,10 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention block: q/k/v projections, optional q/k norm, RoPE, paged attention, o_proj."""
 
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_id: int, cache_group: int) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
+        self.cache_group = cache_group  # which paged cache group's block table this layer reads
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.q_proj = ColumnParallelLinear(h, self.num_heads * d, bias=cfg.qkv_bias)
         self.k_proj = ColumnParallelLinear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
@@ -95,7 +130,7 @@ class LlamaAttention(nn.Module):
         self.fused = backend.fused_layers
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, self.fused) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, self.fused) if cfg.qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, backend, cfg.windows[layer_id])
         if self.fused:
             weight, bias = merge_column_linears([self.q_proj, self.k_proj, self.v_proj])
             self.register_buffer("qkv_weight", weight, persistent=False)
@@ -108,6 +143,7 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        metadata = metadata.for_group(self.cache_group)
         if self.fused:
             return self.o_proj(self._forward_fused(x, rope, kv_cache, metadata))
         t = x.shape[0]
@@ -143,10 +179,10 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; carries the residual stream separately so norms can fuse the add."""
 
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_id: int, cache_group: int) -> None:
         super().__init__()
         fused = backend.fused_layers
-        self.self_attn = LlamaAttention(cfg, backend)
+        self.self_attn = LlamaAttention(cfg, backend, layer_id, cache_group)
         self.mlp = LlamaMLP(cfg, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
@@ -174,7 +210,11 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        # The layout's group indices do not depend on the cache dtype.
+        layout = attention_layout(cfg.windows, cfg.num_key_value_heads, cfg.head_dim, "float32")
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend, i, layout.paged_group_of(i)) for i in range(cfg.num_hidden_layers)
+        )
         self.fused = backend.fused_layers
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.fused)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
@@ -213,13 +253,17 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def cache_layout(self, dtype: str) -> CacheLayout:
+        """The caches this model needs, per layer group, holding `dtype` (torch's name)."""
+        cfg = self.config
+        return attention_layout(cfg.windows, cfg.num_key_value_heads, cfg.head_dim, dtype)
+
     @classmethod
     def config_from_hf(cls, hf: Mapping[str, Any]) -> DecoderConfig:
         """Normalise an HF config dict for this family; refuses features the code lacks."""
         if hf.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {hf['hidden_act']!r} is not supported")
-        if hf.get("use_sliding_window"):
-            raise NotImplementedError("sliding-window attention is not supported")
+        windows = layer_windows_from_hf(cls.family, hf)
         heads = hf["num_attention_heads"]
         attention_bias = bool(hf.get("attention_bias", False))
         return DecoderConfig(
@@ -239,6 +283,7 @@ class LlamaForCausalLM(nn.Module):
             o_bias=False if cls.family == "qwen2" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=cls.family == "qwen3",
+            layer_windows=windows if any(w is not None for w in windows) else (),
         )
 
     def forward(
@@ -266,3 +311,9 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 dense: Llama with per-head q/k RMSNorm before RoPE."""
 
     family = "qwen3"
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama whose every layer attends over the last `sliding_window` tokens."""
+
+    family = "mistral"

@@ -6,10 +6,12 @@ These are the roofline's denominators, written down before anything is timed:
   only the batch's rows (the LM head is read in full; with tied embeddings that is the same
   matrix, counted once). Norm scales and biases are counted; they are tiny.
 - It reads the K and V of every context token of every sequence in every layer (the new
-  token's K/V included: it is written, then read back by attention).
+  token's K/V included: it is written, then read back by attention) — in a sliding-window layer
+  only the last `window` tokens', the only ones its query sees (and the kernel reads).
 - A prefill step does `2 x matmul weights` FLOPs per token in the decoder layers, the LM head
   only for the sampled (last) token of each sequence, and causal attention: `QK^T` and `PV`
-  over the `L(L+1)/2` visible (query, key) pairs of a length-L sequence, per head.
+  over the `L(L+1)/2` visible (query, key) pairs of a length-L sequence, per head (in a
+  sliding-window layer, each query sees at most `window` keys).
 """
 
 from __future__ import annotations
@@ -81,9 +83,16 @@ def kv_bytes_per_token(s: DecoderConfig, dtype_bytes: int) -> int:
     return 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim * dtype_bytes
 
 
+def visible_keys(context: int, window: int | None) -> int:
+    """Keys the newest query of a `context`-token sequence attends to in a layer with `window`."""
+    return context if window is None else min(context, window)
+
+
 def decode_kv_bytes(s: DecoderConfig, batch: int, context: int, dtype_bytes: int) -> int:
-    """KV bytes one decode step reads: every sequence's `context` tokens (the new one included)."""
-    return batch * context * kv_bytes_per_token(s, dtype_bytes)
+    """KV bytes one decode step reads: every sequence's `context` tokens (the new one included),
+    or, in a sliding-window layer, only the window's."""
+    per_layer_token = 2 * s.num_key_value_heads * s.head_dim * dtype_bytes
+    return batch * per_layer_token * sum(visible_keys(context, w) for w in s.windows)
 
 
 def decode_floor_s(weight_bytes: int, kv_bytes: int, bandwidth_bytes_per_s: float) -> float:
@@ -96,10 +105,17 @@ def decode_floor_s(weight_bytes: int, kv_bytes: int, bandwidth_bytes_per_s: floa
 # -- prefill -------------------------------------------------------------------------------------
 
 
+def causal_pairs(seq_len: int, window: int | None) -> int:
+    """(query, key) pairs a length-L causal sequence attends over, each query seeing at most `window` keys."""
+    if window is None or window >= seq_len:
+        return seq_len * (seq_len + 1) // 2
+    return window * (window + 1) // 2 + (seq_len - window) * window
+
+
 def causal_attention_flops(s: DecoderConfig, seq_len: int) -> int:
     """`QK^T` + `PV` of one length-L sequence over its causal pairs, all layers (2 FLOPs per MAC)."""
-    pairs = seq_len * (seq_len + 1) // 2
-    return s.num_hidden_layers * 2 * (2 * s.num_attention_heads * s.head_dim * pairs)
+    pairs = sum(causal_pairs(seq_len, w) for w in s.windows)
+    return 2 * (2 * s.num_attention_heads * s.head_dim * pairs)
 
 
 def prefill_flops(s: DecoderConfig, seq_lens: Iterable[int], num_sampled: int | None = None) -> dict[str, int]:

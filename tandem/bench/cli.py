@@ -158,7 +158,8 @@ def add_bench_parser(sub: Any) -> None:
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer directory for the frontend (default: the model's, or a word-level stand-in)")
     g.add_argument("--no-in-process", action="store_true", help="skip the in-process comparison")
-    g.add_argument("--warmup-requests", type=int, default=8)
+    g.add_argument("--warmup-requests", type=int, default=32,
+                   help="short requests run on each side before timing, prompts spanning the workload's lengths (default: %(default)s)")
     g.add_argument("--engine-transport", choices=["stream", "mux"], default="mux",
                    help="frontend-engine transport of the served side (default: %(default)s, as tandem serve)")
     g.add_argument("--frontend-workers", type=tandem_cli_workers, default="auto",

@@ -5,10 +5,13 @@
 2. The engine's own `ModelRunner` (dummy weights, the KV pool sized to what the sweep needs)
    runs fake batches built directly on the paged cache, driven as the engine drives it: a step
    plan (`step_plan.StepPlan`) of new requests, each with a consecutive range of block ids
-   covering its context, applied to a `StepWorker`'s rows — no scheduler or block manager.
+   covering its context (the same table in every paged cache group; with a sliding window on
+   every layer only the window's blocks, the entries before it `NULL_BLOCK`, as the block
+   manager leaves them), applied to a `StepWorker`'s rows — no scheduler or block manager.
 3. Decode: one new token per sequence at each (batch, context) point, timed through
    `StepWorker.execute` (host inputs from the rows + forward + logits; CUDA-graph replay when
-   the runner does it). Floor = (weight bytes + KV bytes) / measured bandwidth (`accounting.py`).
+   the runner does it). Floor = (weight bytes + KV bytes) / measured bandwidth (`accounting.py`;
+   windowed layers count only the window's K/V).
 4. Prefill: one batch of fresh sequences (e.g. 8 x 1024 = 8k tokens); MFU = FLOPs / time /
    measured matmul rate.
 
@@ -121,19 +124,32 @@ def measure_matmul_rate(device: torch.device | str | None, n: int = 8192, dtype:
 # -- fake batches on the paged cache ---------------------------------------------------------------
 
 
+def live_blocks_per_seq(context: int, num_new_tokens: int, block_size: int, window: int | None) -> tuple[int, int]:
+    """(table length, blocks a sequence holds) for `context` tokens whose last `num_new_tokens`
+    run; with `window` (every layer windowed) the blocks before the first query's window are
+    given back, as the block manager does."""
+    width = -(-context // block_size)
+    first = 0 if window is None else max(0, context - num_new_tokens - window + 1) // block_size
+    return width, width - first
+
+
 def fake_plan(num_seqs: int, context: int, num_new_tokens: int, block_size: int, num_blocks: int,
-              vocab_size: int, rng: np.random.Generator, alias: bool = False, tag: str = "") -> tuple[Any, bool]:
+              vocab_size: int, rng: np.random.Generator, alias: bool = False, tag: str = "",
+              window: int | None = None, num_groups: int = 1) -> tuple[Any, bool]:
     """A step plan of `num_seqs` new requests of `context` tokens whose last `num_new_tokens`
     are to be run (the rest counted as computed).
 
-    Request i owns blocks `[i*n, (i+1)*n)` with n = ceil(context / block_size). Returns the
-    plan and whether blocks had to be shared (only with `alias`; otherwise a pool too small
-    raises `ValueError`).
+    Request i owns blocks `[i*n, (i+1)*n)` with n = ceil(context / block_size) — with `window`
+    (a model whose every layer is windowed) only the blocks its queries can see, the entries
+    before them given back (`NULL_BLOCK`). Every one of `num_groups` paged groups gets the same
+    table (the roofline sizes every group's pool alike). Returns the plan and whether blocks
+    had to be shared (only with `alias`; otherwise a pool too small raises `ValueError`).
     """
     from tandem.core_protocol import SamplingParams
+    from tandem.engine_service.kv_cache import NULL_BLOCK
     from tandem.engine_service.step_plan import NewRequest, StepPlan
 
-    per_seq = -(-context // block_size)
+    width, per_seq = live_blocks_per_seq(context, num_new_tokens, block_size, window)
     if per_seq > num_blocks:
         raise ValueError(f"one sequence of {context} tokens needs {per_seq} blocks; the pool has {num_blocks}")
     aliased = num_seqs * per_seq > num_blocks
@@ -145,18 +161,19 @@ def fake_plan(num_seqs: int, context: int, num_new_tokens: int, block_size: int,
         first = (i * per_seq) % num_blocks if aliased else i * per_seq
         if first + per_seq > num_blocks:
             first = 0
+        table = [NULL_BLOCK] * (width - per_seq) + list(range(first, first + per_seq))
         requests.append(NewRequest(
             request_id=f"roofline{tag}-{i}",
             token_ids=rng.integers(0, vocab_size, size=context).tolist(),
             num_prompt_tokens=context,
             sampling_params=params,
             eos_token_ids=[],
-            block_ids=[list(range(first, first + per_seq))],
+            block_ids=[list(table) for _ in range(num_groups)],
             num_computed_tokens=context - num_new_tokens,
             num_scheduled_tokens=num_new_tokens,
             sample=True,
         ))
-    return StepPlan(step_id=0, new_requests=requests), aliased
+    return StepPlan(step_id=0, new_requests=requests, num_cache_groups=num_groups), aliased
 
 
 class PlannedBatch:
@@ -168,7 +185,8 @@ class PlannedBatch:
 
         self.worker = worker
         self.batch = worker.rows.apply(plan)
-        self._drop = StepPlan(step_id=plan.step_id + 1, finished_req_ids=plan.batch_request_ids())
+        self._drop = StepPlan(step_id=plan.step_id + 1, finished_req_ids=plan.batch_request_ids(),
+                              num_cache_groups=plan.num_cache_groups)
 
     def execute(self) -> torch.Tensor:
         return self.worker.execute(self.batch)
@@ -183,11 +201,12 @@ class PlannedBatch:
 
 
 def make_worker(runner: Any) -> Any:
-    """The engine's worker over `runner` (its sampler is never called here)."""
+    """The engine's worker over `runner`, with a row table per paged cache group (its sampler
+    is never called here)."""
     from tandem.engine_service.sampler import Sampler
     from tandem.engine_service.worker import StepWorker
 
-    return StepWorker(runner, Sampler(vocab_size=runner.vocab_size))
+    return StepWorker(runner, Sampler(vocab_size=runner.vocab_size), num_paged_groups(runner))
 
 
 # -- the runner ----------------------------------------------------------------------------------
@@ -212,6 +231,7 @@ def describe_runner(runner: Any) -> dict[str, Any]:
         "cuda_graph_sizes": list(getattr(graphs, "captured_sizes", [])) if graphs is not None else None,
         "block_size": runner.block_size,
         "num_blocks": runner.num_blocks,
+        "memory_plan": runner.memory_plan.as_dict() if hasattr(runner, "memory_plan") else None,
         "max_model_len": getattr(runner, "max_model_len", None),
         "dtype": str(runner.dtype).removeprefix("torch."),
     }
@@ -247,6 +267,12 @@ def replay_only(runner: Any, planned: PlannedBatch) -> Callable[[], None] | None
     return graph.replay
 
 
+def num_paged_groups(runner: Any) -> int:
+    """The runner's paged cache groups (stand-in runners without a memory plan: one)."""
+    plan = getattr(runner, "memory_plan", None)
+    return len(plan.paged_groups) if plan is not None else 1
+
+
 def module_param_count(model: torch.nn.Module) -> int:
     """Parameters of the built module, tied ones once."""
     return sum(p.numel() for p in model.parameters())
@@ -256,12 +282,20 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def uniform_window(shape: DecoderConfig) -> int | None:
+    """The window when every layer attends over the same one (so whole blocks can be given
+    back), else None."""
+    windows = set(shape.windows)
+    return windows.pop() if len(windows) == 1 else None
+
+
 def plan_num_blocks(shape: DecoderConfig, dtype_bytes: int, block_size: int, options: RooflineOptions,
                     free_bytes: int, max_model_len: int) -> dict[str, int]:
-    """KV blocks to allocate: enough for the largest point, at most what memory allows."""
+    """KV blocks to allocate (per paged group): enough for the largest point, at most what memory allows."""
     per_block = kv_bytes_per_token(shape, dtype_bytes) * block_size
     contexts = [c for c in options.contexts if c <= max_model_len]
-    need = max([b * -(-c // block_size) for b in options.batches for c in contexts]
+    window = uniform_window(shape)
+    need = max([b * live_blocks_per_seq(c, 1, block_size, window)[1] for b in options.batches for c in contexts]
                + [n * -(-L // block_size) for n, L in options.prefill_shapes] + [2])
     weights = total_params(shape) * dtype_bytes
     budget = free_bytes - weights - int(options.headroom_gib * GIB)
@@ -367,7 +401,8 @@ def _decode_point(worker: Any, shape: DecoderConfig, dtype_bytes: int, batch: in
     runner = worker.runner
     try:
         plan, aliased = fake_plan(batch, context, 1, runner.block_size, runner.num_blocks, runner.vocab_size, rng,
-                                  alias=options.kv_aliasing, tag=f"-d{batch}x{context}")
+                                  alias=options.kv_aliasing, tag=f"-d{batch}x{context}", window=uniform_window(shape),
+                                  num_groups=num_paged_groups(runner))
     except ValueError as exc:
         need = batch * context * kv_bytes_per_token(shape, dtype_bytes)
         return {**point, "status": "skipped",
@@ -424,7 +459,7 @@ def _prefill_point(worker: Any, shape: DecoderConfig, num_seqs: int, seq_len: in
     planned = None
     try:
         plan, _ = fake_plan(num_seqs, seq_len, seq_len, runner.block_size, runner.num_blocks, runner.vocab_size,
-                            rng, alias=False, tag=f"-p{num_seqs}x{seq_len}")
+                            rng, alias=False, tag=f"-p{num_seqs}x{seq_len}", num_groups=num_paged_groups(runner))
         planned = PlannedBatch(worker, plan)
         t = cuda_time(planned.execute, runner.device, warmup=2, reps=options.reps,
                       budget_s=min(options.point_seconds, max(deadline.remaining(), 0.5)))

@@ -44,7 +44,7 @@ import structlog
 
 from tandem.bench.results import BenchRecord, Deadline
 from tandem.bench.serve_client import ClientProcesses, auto_client_procs, probe_worker_pid_sync, run_level
-from tandem.bench.workloads import BenchRequest, make_workload, warmup_requests
+from tandem.bench.workloads import BenchRequest, make_workload, warmup_prompt_lens, warmup_requests
 
 log = structlog.get_logger(__name__)
 
@@ -64,7 +64,7 @@ class ServeOptions:
     startup_timeout: float = 600.0
     tokenizer: str | None = None
     in_process: bool = True
-    warmup_requests: int = 8
+    warmup_requests: int = 32
     engine_transport: str = "stream"  # frontend-engine transport of the served side
     frontend_workers: int = 1  # `tandem serve --frontend-workers`
     client_procs: int | str = 1  # load-generator processes, or "auto" (auto_client_procs())
@@ -224,7 +224,10 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
         start += n
     levels: list[dict[str, Any]] = [{"concurrency": c, "num_requests": n} for c, n in zip(options.concurrencies, sizes)]
     res["levels"] = levels
-    warm = warmup_requests(vocab, options.warmup_requests)
+    # Every side warms up on the same short requests whose prompts span the workload's lengths,
+    # at up to 32 at once: Triton compiles each new prefill shape on first use (about a second),
+    # and whichever side met a shape first would otherwise pay for the others (its on-disk cache).
+    warm = warmup_requests(vocab, options.warmup_requests, warmup_prompt_lens(workload.requests))
 
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-serve-"))
     try:
@@ -307,7 +310,7 @@ def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list
                 return
         with record.stage(f"serve_warmup{tag}"):
             t0 = time.perf_counter()
-            w = run_level(server.address, warm, max(min(len(warm), 8), procs),
+            w = run_level(server.address, warm, max(min(len(warm), 32), procs),
                           deadline.sub(seconds=options.level_seconds).remaining(), prefix="warmup",
                           worker_pids=worker_pids, clients=clients)
             info["warmup"] = {"seconds": round(time.perf_counter() - t0, 3), "completed": w["completed"]}

@@ -133,7 +133,7 @@ def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
 
     from tandem.bench.hf_peer import build_hf_model, compare_logits, copy_weights_to_hf, hf_last_logits, \
         release_device_memory
-    from tandem.bench.roofline import PlannedBatch, fake_plan, make_worker
+    from tandem.bench.roofline import PlannedBatch, fake_plan, make_worker, num_paged_groups
     from tandem.engine_service.loader import resolve_model
 
     res = record.results
@@ -163,7 +163,8 @@ def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
         return None
     with record.stage("peer_verify"):
         rng = np.random.default_rng(1234)
-        plan, _ = fake_plan(1, prompt_len, prompt_len, runner.block_size, small_blocks, runner.vocab_size, rng)
+        plan, _ = fake_plan(1, prompt_len, prompt_len, runner.block_size, small_blocks, runner.vocab_size, rng,
+                            num_groups=num_paged_groups(runner))
         planned = PlannedBatch(make_worker(runner), plan)
         ours = planned.execute()[0]
         planned.release()

@@ -14,6 +14,8 @@ multiplies every length (at least 1 token).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,8 +166,23 @@ def make_workload(
     return Workload(canonical, requests, params)
 
 
-def warmup_requests(vocab_size: int, count: int, prompt_len: int = 32, output_len: int = 8) -> list[BenchRequest]:
+def warmup_requests(vocab_size: int, count: int, prompt_len: int | Sequence[int] = 32,
+                    output_len: int = 8) -> list[BenchRequest]:
     """Short requests from their own seed, so they share no prefix with any workload request
-    (a shared prefix would turn the measured run's prefill into prefix-cache hits)."""
+    (a shared prefix would turn the measured run's prefill into prefix-cache hits). With several
+    `prompt_len`s the requests cycle through them, so the prefill shapes a workload will meet are
+    compiled before anything is timed."""
     rng = np.random.default_rng(np.random.SeedSequence([0xBE, 0x7C, 0x4]))
-    return [BenchRequest(rng.integers(0, vocab_size, size=prompt_len).tolist(), output_len) for _ in range(count)]
+    lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
+    return [BenchRequest(rng.integers(0, vocab_size, size=lens[i % len(lens)]).tolist(), output_len)
+            for i in range(count)]
+
+
+def warmup_prompt_lens(requests: Sequence[BenchRequest]) -> list[int]:
+    """Prompt lengths that span a workload: powers of two from 32 up to its longest prompt."""
+    longest = max((len(r.prompt_token_ids) for r in requests), default=32)
+    lens, n = [], 32
+    while n < longest:
+        lens.append(n)
+        n *= 2
+    return lens + [longest]

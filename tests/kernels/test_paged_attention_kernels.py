@@ -241,3 +241,101 @@ def test_prefill_single_query_rows_match_decode() -> None:
     dec = paged_decode_attention(q, batch.kv_cache, batch.block_tables, batch.seq_lens_t, 0.1,
                                  num_splits=2)
     assert rel_err(pre, dec) <= 1e-5
+
+
+# --------------------------------------------------------------------------- sliding window
+
+
+def naive_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int,
+                           scale: float, window: int) -> torch.Tensor:
+    """float64 attention of q rows at positions first_pos.. over keys p - window + 1 .. p."""
+    n, heads, _ = q.shape
+    group = heads // k.shape[1]
+    out = torch.empty(n, heads, q.shape[2], dtype=torch.float64)
+    for i in range(n):
+        p = first_pos + i
+        lo = max(0, p - window + 1)
+        for h in range(heads):
+            kh, vh = k[lo : p + 1, h // group].double(), v[lo : p + 1, h // group].double()
+            out[i, h] = torch.softmax(kh @ q[i, h].double() * scale, dim=0) @ vh
+    return out
+
+
+def poison_before(batch: PagedBatch, b: int, first_needed_pos: int) -> int:
+    """Fill sequence b's blocks wholly before position `first_needed_pos` with NaN (a kernel that
+    reads them returns NaN); returns how many blocks were poisoned."""
+    n = max(0, first_needed_pos) // batch.block_size
+    for j in range(n):
+        batch.kv_cache[:, int(batch.block_tables[b, j])] = float("nan")
+    return n
+
+
+def test_window_references_match_naive() -> None:
+    gen = torch.Generator().manual_seed(10)
+    heads, kv_heads, dim, bs, window = 4, 2, 16, 4, 7
+    batch = PagedBatch([3, 9, 30], kv_heads, dim, bs, torch.float32, gen)
+    q = torch.randn(3, heads, dim, generator=gen)
+    ref = paged_decode_attention_reference(q, batch.kv_cache, batch.block_tables, batch.seq_lens_t, 0.3,
+                                           sliding_window=window)
+    for b, n in enumerate(batch.seq_lens):
+        naive = naive_window_attention(q[b : b + 1], batch.keys[b], batch.values[b], n - 1, 0.3, window)[0]
+        torch.testing.assert_close(ref[b].double(), naive, rtol=1e-5, atol=1e-5)
+    q_lens = [3, 4, 20]
+    qsl = torch.tensor([0, 3, 7, 27], dtype=torch.int32)
+    qp = torch.randn(27, heads, dim, generator=gen)
+    ref = paged_prefill_attention_reference(qp, batch.kv_cache, qsl, batch.seq_lens_t, batch.block_tables,
+                                            0.3, sliding_window=window)
+    for b, n in enumerate(batch.seq_lens):
+        lo, hi = qsl[b].item(), qsl[b + 1].item()
+        naive = naive_window_attention(qp[lo:hi], batch.keys[b], batch.values[b], n - q_lens[b], 0.3, window)
+        torch.testing.assert_close(ref[lo:hi].double(), naive, rtol=1e-5, atol=1e-5)
+    # The window matters: the full-context answer differs.
+    full = paged_prefill_attention_reference(qp, batch.kv_cache, qsl, batch.seq_lens_t, batch.block_tables, 0.3)
+    assert (full - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_window_reads_only_the_window(num_splits: int, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(11)
+    window = 37
+    # shorter than the window, exactly the window, and several windows long
+    batch = PagedBatch([20, 37, 150, 333], 2, 64, block_size, torch.float32, gen)
+    clean = batch.kv_cache.clone()
+    q = torch.randn(4, 4, 64, generator=gen)
+    ref = paged_decode_attention_reference(q, clean, batch.block_tables, batch.seq_lens_t, 0.125,
+                                           sliding_window=window)
+    poisoned = sum(poison_before(batch, b, n - window) for b, n in enumerate(batch.seq_lens))
+    assert poisoned > 0
+    out = paged_decode_attention(q, batch.kv_cache, batch.block_tables, batch.seq_lens_t, 0.125,
+                                 num_splits=num_splits, sliding_window=window)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_window_reads_only_the_window(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(12)
+    window = 21
+    # a fresh prompt over two query tiles, a chunk after a long prefix, a decode row
+    q_lens, ctxs = [100, 9, 1], [100, 140, 57]
+    batch = PagedBatch(ctxs, 2, 64, 4, dtype, gen)
+    clean = batch.kv_cache.clone()
+    qsl = torch.tensor([0, 100, 109, 110], dtype=torch.int32)
+    q = torch.randn(110, 4, 64, generator=gen).to(dtype)
+    ref = paged_prefill_attention_reference(q, clean, qsl, batch.seq_lens_t, batch.block_tables, 0.125,
+                                            sliding_window=window)
+    poisoned = sum(poison_before(batch, b, n - q_lens[b] - window + 1) for b, n in enumerate(ctxs))
+    assert poisoned > 0
+    out = paged_prefill_attention(q, batch.kv_cache, qsl, batch.seq_lens_t, batch.block_tables, 0.125,
+                                  max(q_lens), sliding_window=window)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_window_argument_is_checked() -> None:
+    gen = torch.Generator().manual_seed(13)
+    batch = PagedBatch([4], 2, 64, 16, torch.float32, gen)
+    q = torch.randn(1, 4, 64, generator=gen)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_decode_attention(q, batch.kv_cache, batch.block_tables, batch.seq_lens_t, 1.0, sliding_window=0)

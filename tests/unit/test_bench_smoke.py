@@ -8,6 +8,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -122,6 +123,62 @@ def test_prefill_flops_and_param_count_against_independent_counts():
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_cfg)
     assert accounting.total_params(shape) == sum(p.numel() for p in hf.parameters())
+
+
+def test_sliding_window_floor_counts_only_the_window():
+    """Acceptance 8's floor: Qwen3-8B shapes with every layer on a 1k window read, at 8k
+    context, only the window's K/V; a mixed model counts the window on its windowed layers only."""
+    full = accounting.shape_from_hf_config(get_dummy_config("qwen3-8b"))
+    sw = accounting.shape_from_hf_config(get_dummy_config("qwen3-8b-sw1k"))
+    assert sw.windows == (1024,) * 36
+    per_token = 144 * 1024  # K and V of one token over 36 layers, bf16
+    assert accounting.decode_kv_bytes(sw, 64, 8192, 2) == 64 * 1024 * per_token
+    assert accounting.decode_kv_bytes(full, 64, 8192, 2) == 64 * 8192 * per_token
+    assert accounting.decode_kv_bytes(sw, 64, 1000, 2) == 64 * 1000 * per_token  # shorter than the window
+    assert accounting.decode_weight_bytes(sw, 64, 2) == accounting.decode_weight_bytes(full, 64, 2)
+    mixed = accounting.shape_from_hf_config(get_dummy_config("tiny-qwen3-sw"))  # layer 0 full, 1-2 window 8
+    layer_token = 2 * mixed.num_key_value_heads * mixed.head_dim * 4
+    assert accounting.decode_kv_bytes(mixed, 3, 50, 4) == 3 * layer_token * (50 + 8 + 8)
+    mistral = accounting.shape_from_hf_config(get_dummy_config("mistral-7b"))
+    assert mistral.windows == (4096,) * 32
+
+
+def test_windowed_causal_pairs_match_a_brute_force_count():
+    for seq_len in (1, 5, 8, 9, 40):
+        for window in (None, 1, 3, 8, 100):
+            brute = sum(min(q + 1, window or q + 1) for q in range(seq_len))
+            assert accounting.causal_pairs(seq_len, window) == brute
+    sw = accounting.shape_from_hf_config(get_dummy_config("qwen3-8b-sw1k"))
+    full = accounting.shape_from_hf_config(get_dummy_config("qwen3-8b"))
+    assert accounting.causal_attention_flops(sw, 1024) == accounting.causal_attention_flops(full, 1024)
+    assert accounting.causal_attention_flops(sw, 8192) < accounting.causal_attention_flops(full, 8192) / 4
+
+
+def test_roofline_fake_plan_holds_only_window_blocks():
+    from tandem.bench.roofline import RooflineOptions, fake_plan, plan_num_blocks, uniform_window
+    from tandem.engine_service.kv_cache import NULL_BLOCK
+    from tandem.engine_service.worker_rows import WorkerRows, host_inputs_from_rows
+
+    rng = np.random.default_rng(0)
+    plan, aliased = fake_plan(4, 100, 1, 16, 4 * 3, 320, rng, window=24, num_groups=2)
+    assert not aliased and plan.num_cache_groups == 2
+    held = set()
+    for req in plan.new_requests:
+        tables = req.block_ids
+        assert len(tables) == 2 and tables[0] == tables[1] and len(tables[0]) == 7
+        # The query at position 99 sees 76..99: blocks 4..6; 0..3 are given back.
+        assert tables[0][:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in tables[0][4:]
+        held.update(tables[0][4:])
+    assert len(held) == 12  # distinct per sequence
+    host = host_inputs_from_rows(WorkerRows(2).apply(plan), 16)
+    assert host.block_tables.min() >= 0 and len(host.extra_groups) == 1
+    np.testing.assert_array_equal(host.extra_groups[0][0], host.block_tables)
+    # The pool the roofline asks for: batch 64 at 8k with a 1k window needs the window's blocks only.
+    sw = accounting.shape_from_hf_config(get_dummy_config("qwen3-8b-sw1k"))
+    assert uniform_window(sw) == 1024
+    options = RooflineOptions(batches=[64], contexts=[8192], prefill_shapes=[(1, 1024)])
+    plan = plan_num_blocks(sw, 2, 16, options, free_bytes=200 * 2**30, max_model_len=40960)
+    assert plan["needed_blocks"] == 64 * (8192 // 16 - (8192 - 1 - 1024 + 1) // 16)
 
 
 # -- GPU-only parts refuse clearly on CPU ---------------------------------------------------------

@@ -260,7 +260,8 @@ def test_multiprocess_client_matches_in_process_and_reports_core_death(engine):
 
 
 def test_core_process_dies_with_its_parent(tmp_path):
-    # A gRPC process killed with -9 must not leave its core (and its GPU memory) behind.
+    # A gRPC process killed with -9 must not leave its core (and its GPU memory) or the IPC
+    # socket directory behind.
     import os
     import signal
     import time
@@ -285,20 +286,25 @@ def test_core_process_dies_with_its_parent(tmp_path):
             assert line, "the parent exited before its core was ready"
         core_pid = int(line.split()[1])
         os.kill(core_pid, 0)  # alive
+        argv = open(f"/proc/{core_pid}/cmdline").read().split("\0")
+        socket_dir = os.path.dirname(argv[argv.index("--input") + 1][len("ipc://"):])
+        assert os.path.isdir(socket_dir)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
+        gone = False
+        while time.monotonic() < deadline and not gone:
             try:
                 os.kill(core_pid, 0)
-            except ProcessLookupError:
-                return
-            # A zombie (dead, not yet reaped by init) counts as gone.
-            with open(f"/proc/{core_pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "Z":
-                    return
+                # A zombie (dead, not yet reaped by init) counts as gone.
+                with open(f"/proc/{core_pid}/stat") as f:
+                    gone = f.read().split(")")[-1].split()[0] == "Z"
+            except (ProcessLookupError, FileNotFoundError):
+                gone = True
             time.sleep(0.1)
-        raise AssertionError(f"core process {core_pid} outlived its parent")
+        assert gone, f"core process {core_pid} outlived its parent"
+        # ... and it took the socket directory its killed parent could not remove.
+        assert not os.path.exists(socket_dir)
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -1,4 +1,5 @@
-"""KV-cache sizing: block arithmetic, CPU and GPU budgets, overrides, state pools first."""
+"""Cache sizing per group: block arithmetic, CPU and GPU budgets, overrides, state groups first,
+sliding-window caps, layout invariants."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ import torch
 
 from tandem.engine_service.config import CacheConfig
 from tandem.engine_service.dummy_configs import get_dummy_config
+from tandem.engine_service.cache_spec import (
+    CacheGroup,
+    CacheLayout,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    StateSpec,
+    attention_layout,
+)
 from tandem.engine_service.memory import (
-    StatePoolSpec,
     estimate_activation_bytes,
+    full_attention_layout,
     kv_bytes_per_block,
-    plan_kv_cache,
+    plan_cache,
 )
 from tandem.engine_service.models.registry import get_model_class
 
@@ -41,53 +50,93 @@ def test_block_bytes_formula() -> None:
     assert kv_bytes_per_block(s, 8, torch.float16) == 2 * 3 * 8 * 5 * 7 * 2
 
 
+def plan(shape, cache: CacheConfig, device="cpu", dtype=torch.float32, layout=None, **kw):
+    layout = layout or full_attention_layout(shape, dtype)
+    kw = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256} | kw
+    return plan_cache(layout, cache, device, **kw)
+
+
 def test_cpu_budget_and_override() -> None:
     per_block = 2 * 4 * 16 * 2 * 64 * 4
-    plan = plan_kv_cache(Shape(), CacheConfig(cpu_kv_cache_bytes=10 * per_block + per_block - 1), "cpu", torch.float32)
-    assert (plan.num_blocks, plan.bytes_per_block, plan.kv_cache_bytes) == (10, per_block, 10 * per_block)
-    fixed = plan_kv_cache(Shape(), CacheConfig(num_blocks=3, cpu_kv_cache_bytes=1), "cpu", torch.float32)
+    p = plan(Shape(), CacheConfig(cpu_kv_cache_bytes=10 * per_block + per_block - 1))
+    assert (p.num_blocks, p.bytes_per_block, p.kv_cache_bytes) == (10, per_block, 10 * per_block)
+    assert [g.name for g in p.groups] == ["full_attention"]
+    fixed = plan(Shape(), CacheConfig(num_blocks=3, cpu_kv_cache_bytes=1))
     assert fixed.num_blocks == 3
 
 
-def test_state_pools_are_reserved_before_blocks() -> None:
-    per_block = kv_bytes_per_block(Shape(), 16, torch.bfloat16)
-    pools = [StatePoolSpec("conv", 1000, 8), StatePoolSpec("ssm", 3 * per_block, 2)]
+def state_layout(conv_shape=(6, 3), ssm_shape=(2, 8, 8)) -> CacheLayout:
+    """Two full-attention layers and two recurrent layers with a conv and an ssm state each."""
+    return CacheLayout((
+        CacheGroup("full_attention", FullAttentionSpec(2, 64, "bfloat16"), (0, 2)),
+        CacheGroup("linear_state", StateSpec((conv_shape, ssm_shape), ("bfloat16", "float32")), (1, 3)),
+    ))
+
+
+def test_state_groups_are_reserved_before_blocks() -> None:
+    layout = state_layout()
+    per_block = layout.groups[0].bytes_per_block(16)
+    per_slot = 2 * (6 * 3 * 2 + 2 * 8 * 8 * 4)  # two layers: bf16 conv + fp32 ssm state
+    assert layout.groups[1].bytes_per_slot() == per_slot
     budget = 100 * per_block
-    plan = plan_kv_cache(Shape(), CacheConfig(cpu_kv_cache_bytes=budget), "cpu", torch.bfloat16, state_pools=pools)
-    # 8000 B of conv state costs one more (partial) block; the ssm pool costs exactly six.
-    assert plan.num_blocks == (budget - 8000 - 6 * per_block) // per_block == 93
-    assert plan.state_pool_entries == {"conv": 8, "ssm": 2}
-    assert plan.state_pool_bytes == 8000 + 6 * per_block
+    p = plan(Shape(), CacheConfig(cpu_kv_cache_bytes=budget), layout=layout, max_num_seqs=8)
+    state = p.state_groups[0]
+    assert (state.num_slots, state.bytes_per_slot, p.num_state_slots) == (8, per_slot, 8)
+    assert p.state_bytes == 8 * per_slot
+    assert p.num_blocks == (budget - 8 * per_slot) // per_block
+    assert [g["name"] for g in p.as_dict()["groups"]] == ["full_attention", "linear_state"]
 
 
-def test_invalid_state_pools_are_refused() -> None:
+def test_sliding_group_is_capped_and_the_rest_goes_to_full_layers() -> None:
+    windows = (None, 64, None, 64)  # Qwen3-style alternating layers
+    layout = attention_layout(windows, 2, 64, "float32")
+    full, sliding = layout.groups
+    assert (full.layer_ids, sliding.layer_ids, sliding.sliding_window) == ((0, 2), (1, 3), 64)
+    per_block = full.bytes_per_block(16)  # both groups have two layers of the same shape
+    budget = 1000 * per_block
+    p = plan(Shape(), CacheConfig(cpu_kv_cache_bytes=budget), layout=layout,
+             max_num_seqs=4, max_num_batched_tokens=64, max_model_len=4096)
+    cap = 4 * (-(-63 // 16) + 2) + 64 // 16  # live window blocks per request, plus one step's chunk
+    got = {g.name: g.num_blocks for g in p.groups}
+    assert got["sliding_window_64"] == cap == 28
+    assert got["full_attention"] == (budget - cap * per_block) // per_block
+    # Every paged group windowed (Mistral): the budget is split evenly, nothing capped.
+    all_sliding = attention_layout((64,) * 4, 2, 64, "float32")
+    q = plan(Shape(), CacheConfig(cpu_kv_cache_bytes=budget), layout=all_sliding, max_model_len=4096)
+    assert q.num_blocks == 500 and len(q.groups) == 1
+
+
+def test_layout_invariants() -> None:
+    spec = FullAttentionSpec(2, 64, "float32")
     with pytest.raises(ValueError, match="unique"):
-        plan_kv_cache(Shape(), CacheConfig(), "cpu", torch.float32, state_pools=[StatePoolSpec("a", 1, 1)] * 2)
-    with pytest.raises(ValueError, match="non-negative"):
-        plan_kv_cache(Shape(), CacheConfig(), "cpu", torch.float32, state_pools=[StatePoolSpec("a", -1, 1)])
+        CacheLayout((CacheGroup("a", spec, (0,)), CacheGroup("a", spec, (1,))))
+    with pytest.raises(ValueError, match="two paged"):
+        CacheLayout((CacheGroup("a", spec, (0, 1)), CacheGroup("b", spec, (1,))))
+    with pytest.raises(ValueError, match="no layer"):
+        CacheGroup("a", spec, ())
+    with pytest.raises(ValueError, match="sliding_window"):
+        SlidingWindowSpec(2, 64, "float32", sliding_window=0)
+    with pytest.raises(ValueError):
+        StateSpec(((2, 2),), ())
 
 
 def test_gpu_budget_is_fraction_of_free_memory_minus_reservations(monkeypatch) -> None:
     free = 10 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
-    per_block = kv_bytes_per_block(Shape(), 16, torch.bfloat16)
+    layout = state_layout()
+    per_block = layout.groups[0].bytes_per_block(16)
     cache = CacheConfig(memory_fraction=0.5, cpu_kv_cache_bytes=1)  # the CPU budget must not matter
-    plan = plan_kv_cache(
-        Shape(), cache, torch.device("cuda", 0), torch.bfloat16,
-        state_pools=[StatePoolSpec("s", 2**20, 4)], reserved_bytes=2**29,
-    )
-    assert plan.num_blocks == (free // 2 - 4 * 2**20 - 2**29) // per_block
+    p = plan(Shape(), cache, torch.device("cuda", 0), layout=layout, reserved_bytes=2**29, max_num_seqs=4)
+    assert p.num_blocks == (free // 2 - 4 * layout.groups[1].bytes_per_slot() - 2**29) // per_block
 
 
 def test_not_enough_memory_is_an_error() -> None:
     per_block = kv_bytes_per_block(Shape(), 16, torch.float32)
     with pytest.raises(ValueError, match="not enough memory"):
-        plan_kv_cache(Shape(), CacheConfig(cpu_kv_cache_bytes=per_block), "cpu", torch.float32)
+        plan(Shape(), CacheConfig(cpu_kv_cache_bytes=per_block))
+    big = state_layout(ssm_shape=(64, 128, 128))
     with pytest.raises(ValueError, match="not enough memory"):
-        plan_kv_cache(
-            Shape(), CacheConfig(cpu_kv_cache_bytes=100 * per_block), "cpu", torch.float32,
-            state_pools=[StatePoolSpec("big", per_block, 99)],
-        )
+        plan(Shape(), CacheConfig(cpu_kv_cache_bytes=100 * per_block), layout=big, max_num_seqs=64)
 
 
 def test_activation_estimate_grows_with_the_step_budget() -> None:
@@ -99,3 +148,25 @@ def test_activation_estimate_grows_with_the_step_budget() -> None:
     # cache most of an H200 (a few GiB at most for an 8k-token step).
     assert large > 8192 * 2 * a.intermediate_size * 2 > small
     assert large < 4 * 2**30
+
+
+def test_latent_group_gets_the_full_groups_block_count_and_its_own_entry_size() -> None:
+    from tandem.engine_service.cache_spec import LatentSpec
+    from tandem.engine_service.cache_tensors import allocate_cache_tensors
+
+    layout = CacheLayout((
+        CacheGroup("full_attention", FullAttentionSpec(2, 16, "float32"), (0,)),
+        CacheGroup("compressed", LatentSpec(40, "bfloat16"), (1, 2)),
+    ))
+    full_block = 16 * 2 * 2 * 16 * 4  # one layer, K and V
+    latent_block = 2 * 16 * 40 * 2  # two layers of 40 bf16 elements per token
+    assert layout.groups[1].bytes_per_block(16) == latent_block
+    budget = 50 * (full_block + latent_block) + 7
+    p = plan(Shape(), CacheConfig(cpu_kv_cache_bytes=budget), layout=layout)
+    assert [g.num_blocks for g in p.groups] == [50, 50]
+    assert p.kv_cache_bytes == 50 * (full_block + latent_block)
+    tensors = allocate_cache_tensors(layout, p, num_layers=3, device=torch.device("cpu"))
+    assert tensors.kv_caches[0].shape == (2, 51, 16, 2, 16) and tensors.kv_caches[1] is None
+    assert tensors.latent[1].shape == (51, 16, 40) and tensors.latent[2].dtype == torch.bfloat16
+    # Planned bytes plus one scratch block per group and layer are what gets allocated.
+    assert tensors.total_bytes() == p.kv_cache_bytes + full_block + latent_block

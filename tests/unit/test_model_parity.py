@@ -29,6 +29,7 @@ HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
 }
 
 
@@ -60,6 +61,9 @@ class PagedHarness:
         cfg = self.model.config
         shape = (2, NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
+        # Layers of every cache group share these tensors and one block table (nothing is freed
+        # here), so each sequence's extra group tables are copies of its first.
+        self.num_groups = len(self.model.cache_layout("float32").paged_groups)
         # Non-contiguous physical blocks, so a wrong slot or block-table lookup cannot pass.
         self.free_blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -80,6 +84,7 @@ class PagedHarness:
 
         for seq, n in work:
             self.ensure_blocks(seq, seq.num_computed_tokens + n)
+            seq.block_tables[1:] = [seq.block_table] * (self.num_groups - 1)
         inputs = build_model_inputs([Item(s, n) for s, n in work], BLOCK_SIZE, torch.device("cpu"))
         md = inputs.metadata
         hidden = self.model(inputs.input_ids, md.positions, self.kv_caches, md)
@@ -101,7 +106,8 @@ def prompt(n: int, seed: int, vocab: int = 320) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+# The sliding-window ones (window 8) run with every prompt longer than their window.
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-qwen3-sw"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -257,3 +263,18 @@ def test_paged_attention_reference_matches_naive() -> None:
     q = torch.randn(sum(q_lens), heads, d)
     out = paged_attention_reference(q, cache, md, scale=0.3)
     torch.testing.assert_close(out, naive_attention(q, ks, vs, q_lens, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "no_window"), [
+    ("tiny-mistral", {"sliding_window": None}),
+    ("tiny-qwen3-sw", {"use_sliding_window": False}),
+])
+def test_window_changes_the_logits(tmp_path: Path, name: str, no_window: dict) -> None:
+    """Guards the parity tests of the windowed families: transformers applies the window to
+    prompts this long, and our model declares it (a full-attention run would not match)."""
+    windowed_hf, path = make_checkpoint(tmp_path, name)
+    plain_hf, _ = make_checkpoint(tmp_path / "plain", name, **no_window)
+    tokens = prompt(23, seed=1)
+    assert (hf_logits(windowed_hf, tokens) - hf_logits(plain_hf, tokens)).abs().max() > 1e-2
+    model = build_model(resolve_model(str(path)), "cpu", torch.float32)
+    assert any(layer.self_attn.attn.sliding_window == 8 for layer in model.model.layers)

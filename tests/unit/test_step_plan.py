@@ -8,7 +8,11 @@
    at every step the inputs the worker built from its rows (fed only decoded plan bytes) must
    equal what the Sequence-based builder (`prepare_host_inputs`, the runner's input path before
    the plan) produces from the scheduler's objects, and each sampled row must show the sampler
-   the same tokens and parameters as its Sequence.
+   the same tokens and parameters as its Sequence. The same traces run on a layout with two
+   paged cache groups (full attention + a sliding window that gives blocks back mid-request) and
+   a state group: every group's arrays must match, the rows' tables must equal the scheduler's
+   entry for entry (a given-back entry is `NULL_BLOCK` in the row too, never a stale id of a block
+   that may belong to another request by now), and the state slot must ride the plan into the row.
 3. Bookkeeping: drops, preemption (blocks gone, tokens and generator kept), resume, reused ids,
    plans that name unknown rows.
 """
@@ -26,6 +30,8 @@ import torch
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tandem.engine_service.engine import LLMEngine
 from tandem.engine_service.input_batch import HostInputs, prepare_host_inputs
+from tandem.engine_service.kv_cache import NULL_BLOCK, first_needed_block
+from tandem.engine_service.memory import GroupPlan, MemoryPlan
 from tandem.engine_service.plan_builder import StepPlanBuilder
 from tandem.engine_service.sequence import SamplingParams
 from tandem.engine_service.step_plan import CachedRequests, NewRequest, StepPlan, decode_plan, encode_plan
@@ -42,6 +48,10 @@ def assert_same_inputs(a: HostInputs, b: HostInputs) -> None:
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), name
     assert a.seq_lens_cpu == b.seq_lens_cpu and a.query_lens_cpu == b.query_lens_cpu
+    assert len(a.extra_groups) == len(b.extra_groups)
+    for g, (pair_a, pair_b) in enumerate(zip(a.extra_groups, b.extra_groups), start=1):
+        for x, y in zip(pair_a, pair_b):
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), f"group {g}"
 
 
 # -- 1. msgpack round trip ---------------------------------------------------------------------------
@@ -114,13 +124,16 @@ class TraceRunner:
     """A model stand-in with the runner's interface: random logits from its own generator. At
     every forward it checks the worker's inputs against the Sequence-based builder's."""
 
-    def __init__(self, num_blocks: int, max_model_len: int, seed: int) -> None:
+    def __init__(self, num_blocks: int, max_model_len: int, seed: int, memory_plan: MemoryPlan | None = None) -> None:
         self.num_blocks, self.block_size, self.max_model_len = num_blocks, BLOCK_SIZE, max_model_len
         self.vocab_size, self.eos_token_ids, self.device = VOCAB, (2,), torch.device("cpu")
+        if memory_plan is not None:  # the engine builds its block manager from it
+            self.memory_plan = memory_plan
         self.gen = torch.Generator().manual_seed(seed)
         self.engine: LLMEngine | None = None
         self.expected: list = []  # the step's ScheduledSeq entries, in plan batch order
         self.steps = self.pending_steps = self.preemptions = self.resumes = 0
+        self.null_marks = self.new_with_null = self.window_checks = 0
 
     def forward(self, host: HostInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         engine = self.engine
@@ -128,8 +141,19 @@ class TraceRunner:
         assert_same_inputs(host, old)
         for item in self.expected:
             seq, row = item.seq, engine.worker.rows.get(item.seq.request_id)
-            assert row is not None and row.block_ids == [seq.block_table]
+            # Entry for entry, every group (given-back entries are NULL_BLOCK in both).
+            assert row is not None and row.block_ids == seq.block_tables
+            assert row.state_slot == seq.state_slot
             assert row.num_computed_tokens == seq.num_computed_tokens and row.num_tokens == seq.num_tokens
+            for g, pool in enumerate(engine.block_manager.pools):
+                if pool.window is None:
+                    assert NULL_BLOCK not in row.block_ids[g]
+                    continue
+                # Every block a query of this step can see (or write) is live and this request's.
+                first = first_needed_block(seq.num_computed_tokens, pool.window, BLOCK_SIZE)
+                live = row.block_ids[g][first:]
+                assert NULL_BLOCK not in live and all(pool.blocks[b].ref_count > 0 for b in live)
+                self.window_checks += 1
             if item.sample:  # what the sampler reads
                 assert row.params == seq.params and row.eos_token_ids == seq.eos_token_ids
                 assert row.num_generated_tokens == seq.num_generated_tokens
@@ -158,10 +182,23 @@ def _random_params(rng: random.Random) -> SamplingParams:
     return params
 
 
-def _run_trace(seed: int, overlap: str) -> TraceRunner:
+WINDOW = 6  # tokens: with 4-token blocks a request keeps about 3 blocks of the windowed group
+
+
+def _windowed_plan(num_blocks: int, num_slots: int) -> MemoryPlan:
+    """Two paged groups (full attention, a 6-token sliding window) and a state group."""
+    return MemoryPlan(BLOCK_SIZE, (
+        GroupPlan("full_attention", "full_attention", (0,), num_blocks=num_blocks),
+        GroupPlan(f"sliding_window_{WINDOW}", "sliding_window", (1,), num_blocks=num_blocks, sliding_window=WINDOW),
+        GroupPlan("state", "state", (2,), num_slots=num_slots),
+    ))
+
+
+def _run_trace(seed: int, overlap: str, windowed: bool = False) -> TraceRunner:
     rng = random.Random(seed)
-    num_blocks = rng.choice([10, 14, 40])
-    runner = TraceRunner(num_blocks, max_model_len=48, seed=seed)
+    num_blocks = rng.choice([12, 16, 40] if windowed else [10, 14, 40])
+    memory_plan = _windowed_plan(num_blocks, rng.choice([2, 3, 8])) if windowed else None
+    runner = TraceRunner(num_blocks, max_model_len=48, seed=seed, memory_plan=memory_plan)
     config = EngineConfig(
         ModelConfig(model="unused"),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
@@ -176,12 +213,15 @@ def _run_trace(seed: int, overlap: str) -> TraceRunner:
         planned = build(out)
         runner.expected = planned.scheduled
         runner.resumes += sum(planned.plan.cached_requests.resumed)
+        runner.null_marks += sum(n is not None for n in planned.plan.cached_requests.num_null_blocks)
+        runner.new_with_null += sum(NULL_BLOCK in r.block_ids[-1] for r in planned.plan.new_requests)
         # The worker only ever sees the plan's bytes.
         planned.plan = decode_plan(encode_plan(planned.plan))
         return planned
 
     engine.plan_builder.build = build_and_ship
-    shared = [rng.randrange(3, VOCAB) for _ in range(9)]
+    # A shared prefix of 4 blocks (windowed): a hit after it needs only the window's blocks.
+    shared = [rng.randrange(3, VOCAB) for _ in range(17 if windowed else 9)]
     live: set[str] = set()
     next_id = 0
     for step in range(400):
@@ -189,8 +229,8 @@ def _run_trace(seed: int, overlap: str) -> TraceRunner:
             rid = f"r{next_id % 12}"  # ids come back after their request ends: reused ids
             next_id += 1
             if rid not in live:
-                prefix = shared[: rng.randint(0, 9)] if rng.random() < 0.5 else []
-                prompt = prefix + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 20))]
+                prefix = shared[: rng.randint(0, len(shared))] if rng.random() < 0.5 else []
+                prompt = prefix + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 16 if windowed else 20))]
                 engine.add_request(rid, prompt, _random_params(rng))
                 live.add(rid)
         if live and rng.random() < 0.05:
@@ -205,7 +245,10 @@ def _run_trace(seed: int, overlap: str) -> TraceRunner:
     assert not engine.has_work()
     assert len(engine.worker.rows) == 0 and engine.plan_builder.num_known == 0
     assert engine.block_manager.num_used_blocks == 0
+    if windowed:
+        assert engine.block_manager.state_slots.num_free == engine.block_manager.state_slots.num_slots
     runner.preemptions = engine.scheduler.num_preemptions
+    runner.prefix_hits = engine.block_manager.prefix_hits
     return runner
 
 
@@ -215,6 +258,22 @@ def test_worker_rows_match_sequence_inputs_on_random_traces(overlap: str) -> Non
     assert sum(r.steps for r in runners) > 300
     assert sum(r.preemptions for r in runners) > 0, "no trace preempted: the test lost its teeth"
     assert sum(r.resumes for r in runners) > 0
+    if overlap == "on":
+        assert sum(r.pending_steps for r in runners) > 50
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_worker_rows_match_sequence_inputs_with_a_sliding_window_group(overlap: str) -> None:
+    """Two paged groups (one gives blocks back behind a window) and state slots, through the
+    plan: the same old/new equivalence, with the given-back entries marked in the rows."""
+    runners = [_run_trace(seed, overlap, windowed=True) for seed in range(12)]
+    assert sum(r.steps for r in runners) > 300
+    assert sum(r.preemptions for r in runners) > 0, "no trace preempted: the test lost its teeth"
+    assert sum(r.resumes for r in runners) > 0
+    assert sum(r.prefix_hits for r in runners) > 0, "no prefix hit"
+    assert sum(r.null_marks for r in runners) > 0, "no running request had entries given back"
+    assert sum(r.new_with_null for r in runners) > 0, "no prefix hit over given-back window blocks"
+    assert sum(r.window_checks for r in runners) > 300
     if overlap == "on":
         assert sum(r.pending_steps for r in runners) > 50
 
@@ -341,6 +400,37 @@ def test_plans_naming_unknown_or_duplicate_rows_are_rejected() -> None:
         rows.apply(StepPlan(step_id=6, cached_requests=ragged))
     with pytest.raises(ValueError, match="blocks cannot hold"):
         host_inputs_from_rows(rows.apply(StepPlan(step_id=5, cached_requests=delta("a", None, 0, 2))), 1)
+
+
+def test_given_back_window_entries_are_marked_in_the_rows() -> None:
+    """A sliding-window group's given-back entries reach the row as NULL_BLOCK (and the row's
+    arrays then match the scheduler's), whether or not blocks were appended in the same plan;
+    counts that do not fit the row are rejected."""
+    rows = WorkerRows(2)
+    rows.apply(StepPlan(step_id=0, num_cache_groups=2, new_requests=[NewRequest(
+        request_id="w", token_ids=list(range(3, 13)), num_prompt_tokens=10, sampling_params=SamplingParams(),
+        eos_token_ids=[], block_ids=[[0, 1, 2], [5, 6, 7]], num_computed_tokens=0, num_scheduled_tokens=10,
+        sample=True)]))
+    marks = CachedRequests()
+    marks.append("w", None, num_computed_tokens=10, num_scheduled_tokens=1, sample=False, num_null_blocks=[0, 1])
+    rows.get("w").token_ids.append(20)
+    batch = rows.apply(decode_plan(encode_plan(StepPlan(step_id=1, num_cache_groups=2, cached_requests=marks))))
+    assert rows.get("w").block_ids == [[0, 1, 2], [NULL_BLOCK, 6, 7]]
+    host = host_inputs_from_rows(batch, BLOCK_SIZE)
+    assert host.block_tables.tolist() == [[0, 1, 2]] and host.extra_groups[0][0].tolist() == [[0, 6, 7]]
+    assert host.slot_mapping.tolist() == [2 * BLOCK_SIZE + 2] and host.extra_groups[0][1].tolist() == [7 * BLOCK_SIZE + 2]
+    grow = CachedRequests()
+    grow.append("w", [[3], [8]], num_computed_tokens=11, num_scheduled_tokens=1, sample=False, num_null_blocks=[0, 2])
+    rows.apply(StepPlan(step_id=2, num_cache_groups=2, cached_requests=grow))
+    assert rows.get("w").block_ids == [[0, 1, 2, 3], [NULL_BLOCK, NULL_BLOCK, 7, 8]]
+    bad = CachedRequests()
+    bad.append("w", None, num_computed_tokens=11, num_scheduled_tokens=1, sample=False, num_null_blocks=[0, 9])
+    with pytest.raises(ValueError, match="given-back entries"):
+        rows.apply(StepPlan(step_id=3, num_cache_groups=2, cached_requests=bad))
+    one = CachedRequests()
+    one.append("w", None, num_computed_tokens=11, num_scheduled_tokens=1, sample=False, num_null_blocks=[2])
+    with pytest.raises(ValueError, match="cache groups"):
+        rows.apply(StepPlan(step_id=4, num_cache_groups=2, cached_requests=one))
 
 
 # -- 4. old/new end to end on a real (tiny) model ---------------------------------------------------
