@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 import msgspec
 import structlog
@@ -31,6 +32,29 @@ from tandem.engine_service.config import EngineConfig
 log = structlog.get_logger(__name__)
 
 IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is still there
+
+
+def idle_spin_seconds() -> float:
+    """`TANDEM_CORE_IDLE_SPIN_MS` in seconds (default 0: off): how long a core that just ran out
+    of work busy-polls its input before it blocks. A closed-loop client's next request follows
+    the last answer within milliseconds; spinning keeps the core's CPU awake for it (no wake-up
+    from a blocked poll, no clock ramp) at the price of one busy core for that long."""
+    raw = os.environ.get("TANDEM_CORE_IDLE_SPIN_MS", "")
+    try:
+        return max(0.0, float(raw)) / 1000.0 if raw else 0.0
+    except ValueError:
+        raise ValueError(f"TANDEM_CORE_IDLE_SPIN_MS: expected milliseconds, got {raw!r}") from None
+
+
+def spin_for_input(pull: zmq.Socket, seconds: float) -> bool:
+    """Busy-polls `pull` for up to `seconds`; True as soon as a message is waiting."""
+    if seconds <= 0:
+        return False
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if pull.poll(0):
+            return True
+    return False
 
 
 def _die_with_parent() -> None:
@@ -84,6 +108,7 @@ def run_core(config: EngineConfig, input_addr: str, output_addr: str, fail_after
     push.connect(output_addr)
     encode = codec.encoder.encode
     try:
+        spin_s = idle_spin_seconds()
         torch_threads = os.environ.get("TANDEM_TORCH_THREADS")
         if torch_threads:
             import torch
@@ -103,7 +128,7 @@ def run_core(config: EngineConfig, input_addr: str, output_addr: str, fail_after
         # 2-core host (torch's intra-op thread team). The sockets move to the loop thread (a
         # thread start is the memory barrier ZeroMQ asks for) and this thread only waits.
         result: list[int] = []
-        loop = threading.Thread(target=lambda: result.append(_loop(core, pull, push, codec, parent_pid)),
+        loop = threading.Thread(target=lambda: result.append(_loop(core, pull, push, codec, parent_pid, spin_s)),
                                 name="tandem-engine-core")
         loop.start()
         loop.join()
@@ -125,14 +150,15 @@ def _send_failed(push: zmq.Socket, encode, exc: BaseException) -> None:
         pass
 
 
-def _loop(core, pull: zmq.Socket, push: zmq.Socket, codec: CoreCodec, parent_pid: int) -> int:
+def _loop(core, pull: zmq.Socket, push: zmq.Socket, codec: CoreCodec, parent_pid: int,
+          idle_spin_s: float = 0.0) -> int:
     """Take every queued message, run one step, send its outputs; until CoreShutdown (0), a fatal
     error (1, after CoreFailed) or the parent going away (1)."""
     encode = codec.encoder.encode
     decode = codec.input_decoder.decode
     try:
         while True:
-            if not core.has_work():
+            if not core.has_work() and not spin_for_input(pull, idle_spin_s):
                 while not pull.poll(IDLE_POLL_MS):
                     if os.getppid() != parent_pid:
                         log.error("engine_core_parent_gone")

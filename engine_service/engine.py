@@ -221,6 +221,7 @@ class LLMEngine:
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        groups = bm.group_usage()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -238,4 +239,6 @@ class LLMEngine:
             aborted_requests_total=self.counters.aborted_requests,
             overlap_scheduling=self.overlap,
             max_prefill_tokens_per_seq=self.scheduler.prefill_cap,
+            group_blocks_used=sum(g["used"] for name, g in groups.items() if name != "state_slots"),
+            state_slots_used=groups.get("state_slots", {}).get("used", 0),
         )

@@ -71,6 +71,12 @@ class ActiveRequest:
         return len(self.internal_ids)  # none has started: all of them end here
 
 
+def needs_no_tokenizer(request) -> bool:
+    """True when preparing `request` calls no tokenizer: its prompt is token ids and it has no
+    stop strings (whose token encodings would be computed). Such a request skips the pool."""
+    return bool(request.prompt_token_ids) and not request.stop
+
+
 class _Aborted(Exception):
     """Internal: the fan-out queue's marker that Utility ABORT ended the request."""
 
@@ -218,7 +224,15 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             self.ids.release(reg.external_id)
 
     async def _prepare_unless_aborted(self, request, reg, active: ActiveRequest, context) -> PreparedRequest | None:
-        """Tokenizes on the pool; None as soon as an abort arrives (the tokenizer's result is dropped)."""
+        """Tokenizes on the pool; None as soon as an abort arrives (the tokenizer's result is dropped).
+        A request that needs no tokenizer (`needs_no_tokenizer`) is prepared right here on the loop:
+        the pool's two thread hand-offs cost more than its checks (bench/NOTES.md, TTFT per hop)."""
+        if needs_no_tokenizer(request):
+            try:
+                # No await since registration: an abort cannot have landed yet.
+                return self.builder.prepare(request, reg.external_id, reg.internal_ids)
+            except InvalidRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         job = asyncio.ensure_future(self.tokenize_pool.run(self._prepare_with, request, reg.external_id,
                                                            reg.internal_ids))
         aborted = asyncio.ensure_future(active.aborted.wait())

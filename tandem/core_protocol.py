@@ -250,6 +250,8 @@ class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):
     aborted_requests_total: int = 0
     overlap_scheduling: bool = False
     max_prefill_tokens_per_seq: int = 0  # the fair-prefill cap in effect (0: none)
+    group_blocks_used: int = 0  # used blocks over every paged cache group (kv_blocks_used: the first)
+    state_slots_used: int = 0  # state slots held by sequences (models with state groups)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)

@@ -225,9 +225,11 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
     levels: list[dict[str, Any]] = [{"concurrency": c, "num_requests": n} for c, n in zip(options.concurrencies, sizes)]
     res["levels"] = levels
     # Every side warms up on the same short requests whose prompts span the workload's lengths,
-    # at up to 32 at once: Triton compiles each new prefill shape on first use (about a second),
+    # all at once: Triton compiles each new prefill shape on first use (about a second),
     # and whichever side met a shape first would otherwise pay for the others (its on-disk cache).
-    warm = warmup_requests(vocab, options.warmup_requests, warmup_prompt_lens(workload.requests))
+    # As many as the highest level runs at once, so the batch shapes of every level are met too.
+    warm = warmup_requests(vocab, max(options.warmup_requests, max(options.concurrencies)),
+                           warmup_prompt_lens(workload.requests))
 
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-serve-"))
     try:
@@ -310,7 +312,7 @@ def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list
                 return
         with record.stage(f"serve_warmup{tag}"):
             t0 = time.perf_counter()
-            w = run_level(server.address, warm, max(min(len(warm), 32), procs),
+            w = run_level(server.address, warm, max(len(warm), procs),
                           deadline.sub(seconds=options.level_seconds).remaining(), prefix="warmup",
                           worker_pids=worker_pids, clients=clients)
             info["warmup"] = {"seconds": round(time.perf_counter() - t0, 3), "completed": w["completed"]}

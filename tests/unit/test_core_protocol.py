@@ -308,3 +308,70 @@ def test_core_process_dies_with_its_parent(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_idle_spin_setting_and_spin_for_input(monkeypatch):
+    import time
+
+    import zmq
+
+    from tandem.engine_service.core_process import idle_spin_seconds, spin_for_input
+
+    monkeypatch.delenv("TANDEM_CORE_IDLE_SPIN_MS", raising=False)
+    assert idle_spin_seconds() == 0.0  # off by default
+    monkeypatch.setenv("TANDEM_CORE_IDLE_SPIN_MS", "2.5")
+    assert idle_spin_seconds() == pytest.approx(0.0025)
+    monkeypatch.setenv("TANDEM_CORE_IDLE_SPIN_MS", "-1")
+    assert idle_spin_seconds() == 0.0
+    monkeypatch.setenv("TANDEM_CORE_IDLE_SPIN_MS", "fast")
+    with pytest.raises(ValueError, match="TANDEM_CORE_IDLE_SPIN_MS"):
+        idle_spin_seconds()
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind("inproc://spin")
+        push.connect("inproc://spin")
+        assert spin_for_input(pull, 0.0) is False  # off: returns at once
+        t0 = time.monotonic()
+        assert spin_for_input(pull, 0.05) is False  # nothing came: gives up after the window
+        assert time.monotonic() - t0 >= 0.05
+        push.send(b"x")
+        t0 = time.monotonic()
+        assert spin_for_input(pull, 5.0) is True  # a waiting message ends the spin at once
+        assert time.monotonic() - t0 < 1.0
+        assert pull.recv() == b"x"  # and is left for the loop to read
+    finally:
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+
+
+def test_core_process_with_idle_spin_serves_requests_that_come_during_and_after_it(engine, monkeypatch):
+    from tandem.engine_service.inproc_client import InProcessCoreClient
+    from tandem.engine_service.mp_client import MultiprocessCoreClient
+
+    async def reference():
+        client = InProcessCoreClient(engine)
+        client.start()
+        try:
+            return (await _drive(client, "spin-ref", 6))[0]
+        finally:
+            client.stop()
+
+    expected = asyncio.run(reference())
+    monkeypatch.setenv("TANDEM_CORE_IDLE_SPIN_MS", "100")
+
+    async def main():
+        client = await MultiprocessCoreClient.launch(_config(), log_level="warning")
+        client.start()
+        try:
+            # The second request lands while the core spins, the third after it blocked again.
+            for i, pause in enumerate((0.0, 0.01, 0.3)):
+                await asyncio.sleep(pause)
+                tokens, final = await asyncio.wait_for(_drive(client, f"spin-{i}", 6), 30)
+                assert tokens == expected and final.finish_reason == FinishReason.LENGTH
+        finally:
+            client.stop()
+
+    asyncio.run(main())

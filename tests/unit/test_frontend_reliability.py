@@ -237,6 +237,30 @@ def test_tokenizer_queue_is_bounded(tokenizer, smollm2_dir):
     run(scenario())
 
 
+def test_token_id_prompts_skip_the_tokenizer_pool(tokenizer, smollm2_dir):
+    """A prompt given as token ids with no stop strings needs no tokenizer: it is prepared on the
+    event loop (no thread hand-off on its TTFT path), so a full pool neither delays nor refuses it,
+    and its ids are still checked. With a stop string it needs the tokenizer and takes the pool."""
+
+    async def scenario():
+        async with Stack(tokenizer, smollm2_dir, pool=(1, 1)) as s:
+            slow = asyncio.ensure_future(s.generate("SLOW prompt"))
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            reply = await s.generate("", prompt_token_ids=[1, 2, 3])
+            assert len(reply.choices[0].token_ids) == 4
+            assert time.monotonic() - started < 1.5, "a token-id prompt waited for the tokenizer pool"
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await s.generate("", prompt_token_ids=[1, VOCAB])
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as busy:
+                await s.generate("", prompt_token_ids=[1, 2, 3], stop=["Hello"])
+            assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await slow
+
+    run(scenario())
+
+
 # -- failure 4: lost aborts ---------------------------------------------------------------------------
 def test_abort_while_waiting_for_the_tokenizer_ends_every_choice(tokenizer, smollm2_dir):
     """Failure 4: an ABORT for a request still waiting for the tokenizer ends all its n choices at
