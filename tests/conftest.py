@@ -165,3 +165,41 @@ def server_tools():
     from types import SimpleNamespace
 
     return SimpleNamespace(ServerProcess=ServerProcess, free_port=free_port, wait_serving=wait_serving)
+
+
+def make_hf_checkpoint(tmp_path: Path, dummy_name: str, **overrides):
+    """A seeded Hugging Face model of the dummy config `dummy_name` (with `overrides`) saved with
+    save_pretrained; every parameter randomised (norm scales and biases too, so a weight that
+    fails to load changes the logits). Returns (the transformers model, its directory)."""
+    import torch
+    import transformers
+
+    from tandem.engine_service.dummy_configs import get_dummy_config
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }
+    cfg = get_dummy_config(dummy_name) | overrides
+    config_cls, model_cls = classes[cfg["model_type"]]
+    torch.manual_seed(1234)
+    hf = model_cls(config_cls(**cfg)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 0.1)
+    path = tmp_path / dummy_name
+    hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint():
+    """`make_hf_checkpoint`, for the parity tests of several modules."""
+    return make_hf_checkpoint

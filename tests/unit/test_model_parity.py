@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
-from tandem.engine_service.dummy_configs import get_dummy_config
 from tandem.engine_service.input_batch import build_model_inputs
 from tandem.engine_service.layers.attention import AttentionMetadata, paged_attention_reference, write_kv
 from tandem.engine_service.loader import build_model, resolve_model
@@ -24,34 +22,6 @@ from tandem.engine_service.sequence import SamplingParams, Sequence
 ATOL = 1e-4
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
-
-HF_CLASSES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-}
-
-
-def make_checkpoint(tmp_path: Path, dummy_name: str, **overrides) -> tuple[torch.nn.Module, Path]:
-    """A seeded HF model saved with save_pretrained; every parameter randomised (norm scales and
-    biases too, so a weight that fails to load changes the logits)."""
-    cfg = get_dummy_config(dummy_name) | overrides
-    config_cls, model_cls = HF_CLASSES[cfg["model_type"]]
-    torch.manual_seed(1234)
-    hf = model_cls(config_cls(**cfg)).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 0.1)
-    path = tmp_path / dummy_name
-    hf.save_pretrained(path)
-    return hf, path
-
 
 class PagedHarness:
     """Our model plus a KV cache and a shuffled block allocator, driven step by step."""
@@ -111,8 +81,8 @@ FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-qwen
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_whole_prompt_matches_hf(tmp_path: Path, name: str) -> None:
-    hf, path = make_checkpoint(tmp_path, name)
+def test_whole_prompt_matches_hf(tmp_path: Path, name: str, hf_checkpoint) -> None:
+    hf, path = hf_checkpoint(tmp_path, name)
     harness = PagedHarness(path)
     tokens = prompt(23, seed=1)
     (ours,) = harness.step([(harness.new_seq(tokens), len(tokens))])
@@ -122,8 +92,8 @@ def test_whole_prompt_matches_hf(tmp_path: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_chunked_prefill_and_decode_match_hf(tmp_path: Path, name: str) -> None:
-    hf, path = make_checkpoint(tmp_path, name)
+def test_chunked_prefill_and_decode_match_hf(tmp_path: Path, name: str, hf_checkpoint) -> None:
+    hf, path = hf_checkpoint(tmp_path, name)
     tokens = prompt(21, seed=2)
     ref = hf_logits(hf, tokens)
 
@@ -139,8 +109,8 @@ def test_chunked_prefill_and_decode_match_hf(tmp_path: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_batched_sequences_match_hf(tmp_path: Path, name: str) -> None:
-    hf, path = make_checkpoint(tmp_path, name)
+def test_batched_sequences_match_hf(tmp_path: Path, name: str, hf_checkpoint) -> None:
+    hf, path = hf_checkpoint(tmp_path, name)
     harness = PagedHarness(path)
     a_tokens, b_tokens, c_tokens = prompt(17, seed=3), prompt(6, seed=4), prompt(11, seed=5)
     a, b, c = harness.new_seq(a_tokens, "a"), harness.new_seq(b_tokens, "b"), harness.new_seq(c_tokens, "c")
@@ -154,8 +124,8 @@ def test_batched_sequences_match_hf(tmp_path: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_shared_prefix_blocks_match_hf(tmp_path: Path, name: str) -> None:
-    hf, path = make_checkpoint(tmp_path, name)
+def test_shared_prefix_blocks_match_hf(tmp_path: Path, name: str, hf_checkpoint) -> None:
+    hf, path = hf_checkpoint(tmp_path, name)
     harness = PagedHarness(path)
     shared = prompt(3 * BLOCK_SIZE, seed=6)
     first_tokens, second_tokens = shared + prompt(5, seed=7), shared + prompt(7, seed=8)
@@ -191,8 +161,8 @@ def test_shared_prefix_blocks_match_hf(tmp_path: Path, name: str) -> None:
     ],
     ids=["llama3", "yarn", "linear"],
 )
-def test_rope_scaling_matches_hf(tmp_path: Path, name: str, overrides: dict) -> None:
-    hf, path = make_checkpoint(tmp_path, name, **overrides)
+def test_rope_scaling_matches_hf(tmp_path: Path, name: str, overrides: dict, hf_checkpoint) -> None:
+    hf, path = hf_checkpoint(tmp_path, name, **overrides)
     harness = PagedHarness(path)
     # Long enough that low-frequency dims rotate noticeably, in chunks so decode rows are covered.
     tokens = prompt(48, seed=9)
@@ -201,14 +171,14 @@ def test_rope_scaling_matches_hf(tmp_path: Path, name: str, overrides: dict) -> 
     torch.testing.assert_close(ours, hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
 
-def test_scaled_rope_differs_from_unscaled(tmp_path: Path) -> None:
+def test_scaled_rope_differs_from_unscaled(tmp_path: Path, hf_checkpoint) -> None:
     """Guards the test above: the scaling must actually change the logits it compares."""
-    scaled_hf, _ = make_checkpoint(
+    scaled_hf, _ = hf_checkpoint(
         tmp_path,
         "tiny-llama",
         rope_scaling={"rope_type": "linear", "factor": 2.0},
     )
-    plain_hf, _ = make_checkpoint(tmp_path / "plain", "tiny-llama")
+    plain_hf, _ = hf_checkpoint(tmp_path / "plain", "tiny-llama")
     tokens = prompt(48, seed=9)
     assert (hf_logits(scaled_hf, tokens) - hf_logits(plain_hf, tokens)).abs().max() > 1e-2
 
@@ -269,11 +239,11 @@ def test_paged_attention_reference_matches_naive() -> None:
     ("tiny-mistral", {"sliding_window": None}),
     ("tiny-qwen3-sw", {"use_sliding_window": False}),
 ])
-def test_window_changes_the_logits(tmp_path: Path, name: str, no_window: dict) -> None:
+def test_window_changes_the_logits(tmp_path: Path, name: str, no_window: dict, hf_checkpoint) -> None:
     """Guards the parity tests of the windowed families: transformers applies the window to
     prompts this long, and our model declares it (a full-attention run would not match)."""
-    windowed_hf, path = make_checkpoint(tmp_path, name)
-    plain_hf, _ = make_checkpoint(tmp_path / "plain", name, **no_window)
+    windowed_hf, path = hf_checkpoint(tmp_path, name)
+    plain_hf, _ = hf_checkpoint(tmp_path / "plain", name, **no_window)
     tokens = prompt(23, seed=1)
     assert (hf_logits(windowed_hf, tokens) - hf_logits(plain_hf, tokens)).abs().max() > 1e-2
     model = build_model(resolve_model(str(path)), "cpu", torch.float32)

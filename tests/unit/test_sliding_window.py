@@ -18,11 +18,9 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import transformers  # noqa: E402
 
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from tandem.engine_service.cuda_graphs import DecodeCudaGraphs  # noqa: E402
-from tandem.engine_service.dummy_configs import get_dummy_config  # noqa: E402
 from tandem.engine_service.engine import LLMEngine  # noqa: E402
 from tandem.engine_service.kv_cache import NULL_BLOCK  # noqa: E402
 from tandem.engine_service.sequence import SamplingParams  # noqa: E402
@@ -31,30 +29,6 @@ STEPS = 64
 BLOCK_SIZE = 4
 WINDOW = 8
 FAMILIES = ["tiny-mistral", "tiny-qwen3-sw"]
-HF_CLASSES = {
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-}
-
-
-def make_checkpoint(tmp_path: Path, dummy_name: str) -> tuple[torch.nn.Module, Path]:
-    """A seeded HF model (every parameter randomised, as in test_model_parity) saved to disk."""
-    cfg = get_dummy_config(dummy_name)
-    config_cls, model_cls = HF_CLASSES[cfg["model_type"]]
-    torch.manual_seed(1234)
-    hf = model_cls(config_cls(**cfg)).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 0.1)
-    hf.save_pretrained(tmp_path / dummy_name)
-    return hf, tmp_path / dummy_name
-
-
 def prompt(n: int, seed: int, vocab: int = 320) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -64,8 +38,8 @@ PROMPTS = [prompt(n, seed=30 + i) for i, n in enumerate((21, 11, 30, 17, 26))]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
-    hf, path = make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+def checkpoint(request, tmp_path_factory, hf_checkpoint) -> tuple[str, torch.nn.Module, Path]:
+    hf, path = hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     return request.param, hf, path
 
 
