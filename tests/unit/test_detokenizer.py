@@ -293,3 +293,55 @@ def test_multi_token_push_ending_mid_character_emits_the_complete_part(smol: Tex
     assert detok.push(ids[:k]) == smol.decode(ids[:clean])
     assert detok.push(ids[k:]) + detok.flush() == smol.decode(ids)[len(smol.decode(ids[:clean])) :]
 
+
+
+# -- found by mutation testing (docs/testing.md) ------------------------------------------------
+
+
+class _RecordingTokenizer:
+    """Decodes through `inner` and records the keyword arguments of every decode call."""
+
+    def __init__(self, inner: TextTokenizer) -> None:
+        self.inner = inner
+        self.kwargs: list[dict] = []
+
+    def decode(self, ids, **kwargs) -> str:
+        self.kwargs.append(dict(kwargs))
+        return self.inner.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("spaces", [True, False])
+def test_decode_options_are_passed_to_the_tokenizer(smol: TextTokenizer, skip: bool, spaces: bool) -> None:
+    rec = _RecordingTokenizer(smol)
+    prompt = smol.encode("Hi there, how are you?", add_special_tokens=False)
+    detok = IncrementalDetokenizer(rec, prompt, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    for t in smol.encode(" Fine, thanks.", add_special_tokens=False):
+        detok.push([t])
+    detok.flush()
+    assert rec.kwargs
+    # spaces_between_special_tokens only travels when False (some backends reject or ignore it).
+    expected = {"skip_special_tokens": skip} if spaces else {"skip_special_tokens": skip, "spaces_between_special_tokens": False}
+    assert all(kw == expected for kw in rec.kwargs)
+
+
+def test_empty_push_is_a_no_op(smol: TextTokenizer) -> None:
+    rec = _CountingTokenizer(smol)
+    prompt = smol.encode("Say hello:", add_special_tokens=False)
+    detok = IncrementalDetokenizer(rec, prompt)
+    ids = smol.encode(" hello world", add_special_tokens=False)
+    calls = len(rec.lengths)
+    assert detok.push([]) == ""
+    assert len(rec.lengths) == calls  # nothing decoded
+    assert "".join(detok.push([t]) for t in ids) + detok.push([]) + detok.flush() == " hello world"
+    assert detok.text == " hello world"
+
+
+def test_push_after_flush_names_the_misuse(smol: TextTokenizer) -> None:
+    detok = IncrementalDetokenizer(smol)
+    detok.push(smol.encode("a", add_special_tokens=False))
+    assert detok.flush() == ""
+    with pytest.raises(RuntimeError) as err:
+        detok.push([1])
+    assert str(err.value) == "push() after flush(): the detokenizer has finished"
+    assert detok.flush() == ""
