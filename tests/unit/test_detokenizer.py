@@ -345,3 +345,27 @@ def test_push_after_flush_names_the_misuse(smol: TextTokenizer) -> None:
         detok.push([1])
     assert str(err.value) == "push() after flush(): the detokenizer has finished"
     assert detok.flush() == ""
+
+
+def test_default_decode_options_skip_special_tokens_only(smol: TextTokenizer) -> None:
+    rec = _RecordingTokenizer(smol)
+    detok = IncrementalDetokenizer(rec, smol.encode("Hi", add_special_tokens=False))
+    detok.push(smol.encode(" there", add_special_tokens=False))
+    assert rec.kwargs and all(kw == {"skip_special_tokens": True} for kw in rec.kwargs)
+
+
+def test_short_prompt_starting_inside_a_character_is_all_context(sp_tok: TextTokenizer) -> None:
+    # A (truncated) prompt that starts with a lone UTF-8 continuation byte and ends in a skipped
+    # special token: no suffix of it is clean context, so all of it is kept, and the output's
+    # first token keeps its leading space (the Strip decoder drops it at the start of a decode).
+    hf = sp_tok.hf_tokenizer
+    cont, eos = hf.convert_tokens_to_ids("<0x80>"), hf.convert_tokens_to_ids("</s>")
+    prompt = [cont, *sp_tok.encode("Hello", add_special_tokens=False), eos]
+    out = sp_tok.encode("there world", add_special_tokens=False)
+    prompt_text, full = sp_tok.decode(prompt), sp_tok.decode(prompt + out)
+    assert prompt_text.startswith(FFFD) and full.startswith(prompt_text)
+    expected = full[len(prompt_text) :]
+    assert expected.startswith(" there")
+    for n in (1, 2):
+        detok = IncrementalDetokenizer(sp_tok, prompt)
+        assert "".join(detok.push(out[i : i + n]) for i in range(0, len(out), n)) + detok.flush() == expected
