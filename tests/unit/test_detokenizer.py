@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from tandem.frontend.detokenizer import IncrementalDetokenizer
+from tandem.frontend.detokenizer import _PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 from tandem.frontend.tokenizer import TextTokenizer
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -369,3 +369,13 @@ def test_short_prompt_starting_inside_a_character_is_all_context(sp_tok: TextTok
     for n in (1, 2):
         detok = IncrementalDetokenizer(sp_tok, prompt)
         assert "".join(detok.push(out[i : i + n]) for i in range(0, len(out), n)) + detok.flush() == expected
+
+
+def test_clean_prompt_context_is_its_last_few_tokens(smol: TextTokenizer) -> None:
+    counting = _CountingTokenizer(smol)
+    prompt = smol.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 5), add_special_tokens=False)
+    assert len(prompt) > 40
+    IncrementalDetokenizer(counting, prompt)
+    # The last few tokens decode to clean text, so they are the whole context: one decode to
+    # check them, one for the context's text.
+    assert counting.lengths == [_PROMPT_CONTEXT_TOKENS, _PROMPT_CONTEXT_TOKENS]
