@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from tandem.frontend.detokenizer import IncrementalDetokenizer
+from tandem.frontend.detokenizer import _PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 from tandem.frontend.tokenizer import TextTokenizer
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -293,3 +293,89 @@ def test_multi_token_push_ending_mid_character_emits_the_complete_part(smol: Tex
     assert detok.push(ids[:k]) == smol.decode(ids[:clean])
     assert detok.push(ids[k:]) + detok.flush() == smol.decode(ids)[len(smol.decode(ids[:clean])) :]
 
+
+
+# -- found by mutation testing (docs/testing.md) ------------------------------------------------
+
+
+class _RecordingTokenizer:
+    """Decodes through `inner` and records the keyword arguments of every decode call."""
+
+    def __init__(self, inner: TextTokenizer) -> None:
+        self.inner = inner
+        self.kwargs: list[dict] = []
+
+    def decode(self, ids, **kwargs) -> str:
+        self.kwargs.append(dict(kwargs))
+        return self.inner.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("spaces", [True, False])
+def test_decode_options_are_passed_to_the_tokenizer(smol: TextTokenizer, skip: bool, spaces: bool) -> None:
+    rec = _RecordingTokenizer(smol)
+    prompt = smol.encode("Hi there, how are you?", add_special_tokens=False)
+    detok = IncrementalDetokenizer(rec, prompt, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    for t in smol.encode(" Fine, thanks.", add_special_tokens=False):
+        detok.push([t])
+    detok.flush()
+    assert rec.kwargs
+    # spaces_between_special_tokens only travels when False (some backends reject or ignore it).
+    expected = {"skip_special_tokens": skip} if spaces else {"skip_special_tokens": skip, "spaces_between_special_tokens": False}
+    assert all(kw == expected for kw in rec.kwargs)
+
+
+def test_empty_push_is_a_no_op(smol: TextTokenizer) -> None:
+    rec = _CountingTokenizer(smol)
+    prompt = smol.encode("Say hello:", add_special_tokens=False)
+    detok = IncrementalDetokenizer(rec, prompt)
+    ids = smol.encode(" hello world", add_special_tokens=False)
+    calls = len(rec.lengths)
+    assert detok.push([]) == ""
+    assert len(rec.lengths) == calls  # nothing decoded
+    assert "".join(detok.push([t]) for t in ids) + detok.push([]) + detok.flush() == " hello world"
+    assert detok.text == " hello world"
+
+
+def test_push_after_flush_names_the_misuse(smol: TextTokenizer) -> None:
+    detok = IncrementalDetokenizer(smol)
+    detok.push(smol.encode("a", add_special_tokens=False))
+    assert detok.flush() == ""
+    with pytest.raises(RuntimeError) as err:
+        detok.push([1])
+    assert str(err.value) == "push() after flush(): the detokenizer has finished"
+    assert detok.flush() == ""
+
+
+def test_default_decode_options_skip_special_tokens_only(smol: TextTokenizer) -> None:
+    rec = _RecordingTokenizer(smol)
+    detok = IncrementalDetokenizer(rec, smol.encode("Hi", add_special_tokens=False))
+    detok.push(smol.encode(" there", add_special_tokens=False))
+    assert rec.kwargs and all(kw == {"skip_special_tokens": True} for kw in rec.kwargs)
+
+
+def test_short_prompt_starting_inside_a_character_is_all_context(sp_tok: TextTokenizer) -> None:
+    # A (truncated) prompt that starts with a lone UTF-8 continuation byte and ends in a skipped
+    # special token: no suffix of it is clean context, so all of it is kept, and the output's
+    # first token keeps its leading space (the Strip decoder drops it at the start of a decode).
+    hf = sp_tok.hf_tokenizer
+    cont, eos = hf.convert_tokens_to_ids("<0x80>"), hf.convert_tokens_to_ids("</s>")
+    prompt = [cont, *sp_tok.encode("Hello", add_special_tokens=False), eos]
+    out = sp_tok.encode("there world", add_special_tokens=False)
+    prompt_text, full = sp_tok.decode(prompt), sp_tok.decode(prompt + out)
+    assert prompt_text.startswith(FFFD) and full.startswith(prompt_text)
+    expected = full[len(prompt_text) :]
+    assert expected.startswith(" there")
+    for n in (1, 2):
+        detok = IncrementalDetokenizer(sp_tok, prompt)
+        assert "".join(detok.push(out[i : i + n]) for i in range(0, len(out), n)) + detok.flush() == expected
+
+
+def test_clean_prompt_context_is_its_last_few_tokens(smol: TextTokenizer) -> None:
+    counting = _CountingTokenizer(smol)
+    prompt = smol.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 5), add_special_tokens=False)
+    assert len(prompt) > 40
+    IncrementalDetokenizer(counting, prompt)
+    # The last few tokens decode to clean text, so they are the whole context: one decode to
+    # check them, one for the context's text.
+    assert counting.lengths == [_PROMPT_CONTEXT_TOKENS, _PROMPT_CONTEXT_TOKENS]

@@ -425,3 +425,33 @@ def test_low_precision_logits_are_accepted() -> None:
     seqs = [make_seq(SamplingParams(temperature=0.0, logprobs=1)) for _ in range(3)]
     out = Sampler().sample(logits, seqs)
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+
+
+# -- found by mutation testing (docs/testing.md) ------------------------------------------------
+
+
+def test_error_messages_name_the_shapes() -> None:
+    seq = make_seq(SamplingParams())
+    with pytest.raises(ValueError) as err:
+        Sampler(vocab_size=0)
+    assert str(err.value) == "vocab_size must be >= 1"
+    with pytest.raises(ValueError) as err:
+        Sampler().sample(torch.zeros(5), [seq])
+    assert str(err.value) == "logits must be [batch, vocab], got shape (5,)"
+    with pytest.raises(ValueError) as err:
+        Sampler().sample(torch.zeros(2, 5), [seq])
+    assert str(err.value) == "2 logits rows for 1 sequences"
+    with pytest.raises(ValueError) as err:
+        Sampler(vocab_size=6).sample(torch.zeros(1, 5), [seq])
+    assert str(err.value) == "logits have 5 columns, vocab_size is 6"
+
+
+def test_vocab_size_bounds_are_inclusive() -> None:
+    # A one-token vocabulary is valid, and logits exactly vocab_size wide need no padding.
+    one = Sampler(vocab_size=1).sample(torch.zeros(2, 1), [make_seq(SamplingParams(temperature=1.0)) for _ in range(2)])
+    assert one.token_ids == [0, 0]
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    out = Sampler(vocab_size=4).sample(logits, [make_seq(SamplingParams(temperature=0.0, logprobs=4))])
+    assert out.token_ids == [1]
+    assert out.logprobs[0] is not None
+    assert [t for t, _ in out.logprobs[0].top] == [1, 3, 2, 0]
