@@ -110,6 +110,14 @@ def parse_tokens(text: str, source: str) -> tuple[str, ...]:
     return tokens
 
 
+def _tokens_from_file(path: str, flag: str) -> tuple[str, ...]:
+    """The whitespace-separated tokens of a token file; a file that holds none is an error."""
+    tokens = parse_tokens(_read(path, flag).decode("ascii", "replace"), flag)
+    if not tokens:
+        raise SecurityConfigError(f"{flag}: {path} holds no token")
+    return tokens
+
+
 def _read(path: str | None, what: str) -> bytes | None:
     if path is None:
         return None
@@ -164,10 +172,7 @@ class SecurityOptions:
         if flag:
             tokens = parse_tokens(flag, f"--{prefix}auth-token")
         elif path:
-            tokens = parse_tokens(_read(path, f"--{prefix}auth-token-file").decode("ascii", "replace"),
-                                  f"--{prefix}auth-token-file")
-            if not tokens:
-                raise SecurityConfigError(f"--{prefix}auth-token-file: {path} holds no token")
+            tokens = _tokens_from_file(path, f"--{prefix}auth-token-file")
         else:
             tokens = parse_tokens(os.environ.get(_env_name(prefix), ""), f"${_env_name(prefix)}")
         both_sides = hasattr(args, _dest(prefix, "tls_cert")) and hasattr(args, _dest(prefix, "tls"))
@@ -176,10 +181,7 @@ class SecurityOptions:
             admin_path = get("admin_token_file")
             admin_env = _env_name(prefix + "admin-")
             if admin_path:
-                admin_tokens = parse_tokens(_read(admin_path, f"--{prefix}admin-token-file").decode("ascii", "replace"),
-                                            f"--{prefix}admin-token-file")
-                if not admin_tokens:
-                    raise SecurityConfigError(f"--{prefix}admin-token-file: {admin_path} holds no token")
+                admin_tokens = _tokens_from_file(admin_path, f"--{prefix}admin-token-file")
             else:
                 admin_tokens = parse_tokens(os.environ.get(admin_env, ""), f"${admin_env}")
         return cls(
