@@ -25,16 +25,12 @@ from tandem.cli_options import (
     ENGINE_SERVER_DEFAULTS,
     ClientArgs,
     EngineCoreArgs,
-    workers_count,
     FrontendArgs,
     MetricsArgs,
     ServeArgs,
     ServerArgs,
 )
 from tandem.startup_checks import StartupError
-
-
-_workers_count = workers_count  # `tandem bench serve --frontend-workers` parses the same way
 
 
 # -- engine flags (their declaration: engine_service/config.py; tests call these two) --------------

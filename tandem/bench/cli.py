@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.bench.results import DEFAULT_RESULTS_DIR
-from tandem.options import engine_argv, engine_config_from_args
+from tandem.cli_options import EngineCoreArgs, workers_count
+from tandem.options import add_flags, engine_argv, engine_config_from_args
 
 _CONFIG_SKIP = {"fn", "bench_fn", "command", "bench_command"}
 
@@ -54,12 +55,6 @@ def _count_or_auto(text: str) -> int | str:
         return _ints_one(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
-
-
-def tandem_cli_workers(text: str) -> int:
-    from tandem.cli import _workers_count
-
-    return _workers_count(text)
 
 
 def _stack(text: str) -> dict[str, Any]:
@@ -162,11 +157,10 @@ def add_bench_parser(sub: Any) -> None:
                    help="short requests run on each side before timing, prompts spanning the workload's lengths (default: %(default)s)")
     g.add_argument("--engine-transport", choices=["stream", "mux"], default="mux",
                    help="frontend-engine transport of the served side (default: %(default)s, as tandem serve)")
-    g.add_argument("--frontend-workers", type=tandem_cli_workers, default="auto",
+    g.add_argument("--frontend-workers", type=workers_count, default="auto",
                    help="frontend processes of the served stack on one port (tandem serve --frontend-workers); "
                         "auto as tandem serve: one per 4 cores, 1 to 4")
-    g.add_argument("--engine-core", choices=["process", "thread"], default="process",
-                   help="where the served stack's engine core runs (tandem serve --engine-core; default: %(default)s)")
+    add_flags(g, EngineCoreArgs)  # the served stack's, as `tandem serve --engine-core`
     g.add_argument("--also-stack", dest="also_stacks", type=_stack, action="append", default=[],
                    metavar="CORE:TRANSPORT:WORKERS",
                    help="measure another served stack in the same call, e.g. thread:stream:1 (the stack "
