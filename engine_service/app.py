@@ -114,8 +114,7 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     EngineMetrics(core, config.model.model, registry)  # before start: it adds a step listener
     core.start(loop)
     info = core.info
-    model_path = info.model_path if info.model_path not in ("", "None") else None
-    defaults = load_generation_defaults(config.model.generation_config, config.model.model, model_path)
+    defaults = load_generation_defaults(config.model.generation_config, config.model.model, info.model_path)
     limits = Limits(
         vocab_size=info.vocab_size,
         max_model_len=info.max_model_len,

@@ -40,7 +40,7 @@ def core_info(engine: LLMEngine) -> CoreInfo:
     bm = engine.block_manager
     return CoreInfo(
         model=engine.config.model.model,
-        model_path=str(runner.model_path),
+        model_path=str(runner.model_path) if runner.model_path else None,
         architecture=getattr(runner, "architecture", ""),
         max_model_len=engine.max_model_len,
         vocab_size=runner.vocab_size,

@@ -268,7 +268,7 @@ class CoreInfo(msgspec.Struct, kw_only=True):
     metrics labels)."""
 
     model: str
-    model_path: str
+    model_path: str | None  # None for dummy weights (no directory)
     architecture: str
     max_model_len: int
     vocab_size: int
