@@ -282,7 +282,12 @@ def test_soak_exactly_one_terminal_status(client):
     def one(i: int) -> None:
         action = rng.choice(["finish", "cancel", "abort", "deadline"])
         rid = f"soak-{i}"
-        kwargs = dict(max_tokens=rng.randint(4, 24), temperature=0.8, seed=i, ignore_eos=True, request_id=rid)
+        max_tokens = rng.randint(4, 24)
+        if action == "deadline":
+            # Long enough that the 0.8 s deadline cuts the stream: a generation that ends just
+            # as the deadline passes races the client's deadline against the OK trailers.
+            max_tokens = 512
+        kwargs = dict(max_tokens=max_tokens, temperature=0.8, seed=i, ignore_eos=True, request_id=rid)
         terminal = []
         try:
             call = client.stream(f"Soak prompt {i}", timeout=0.8 if action == "deadline" else 60, **kwargs)
