@@ -105,9 +105,35 @@ StopReason = Union[StopToken, StopSequence, SchedulerStop]
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Disaggregated prefill/decode parameters of one request, with vLLM NixlConnector's field
-    names; fields this struct does not name travel in `extra`. The engine core carries them from
-    the request to its final output; nothing acts on them yet."""
+    """Disaggregated prefill/decode parameters of one request.
+
+    The first six fields carry vLLM NixlConnector's names and meanings, so a prefill/decode router
+    written for vLLM drives Tandem without translation:
+
+    - `do_remote_decode` (on the prefill leg): keep the prompt's KV for a remote decoder, compute at
+      most one new token, and return the fields below in the final output.
+    - `do_remote_prefill` (on the decode leg): the prompt's KV lives on `remote_engine_id`; pull the
+      blocks this engine does not already hold in its own prefix cache, then decode.
+    - `remote_engine_id`, `remote_host`, `remote_port`: the producer and the address it serves KV
+      pulls on. `remote_block_ids`: the producer's block ids of the prompt in its first (primary)
+      paged cache group.
+
+    Tandem's own fields (filled by the producer in its final output, echoed by the router into the
+    decode leg):
+
+    - `remote_group_block_ids`: block ids per paged cache group (hybrid / sliding-window models;
+      entry 0 equals `remote_block_ids`). `remote_state_slot`: the producer's state slot holding the
+      request's per-request state at the end of the prompt (hybrid models), or None.
+    - `num_prompt_tokens`: how many leading tokens of the request's prompt the producer's KV covers.
+    - `first_token_id`: the token the prefill leg produced (the decode leg's prompt is the original
+      prompt followed by it; its KV is computed by the decoder).
+    - `lease_id`, `lease_expiry_unix`: the producer holds the blocks under this lease until the
+      consumer releases it or the wall-clock time `lease_expiry_unix` passes (then they are freed).
+    - `remote_transport`: how to pull (`"tcp"` or `"cuda_ipc"`); `block_size`: the producer's
+      tokens per block (the consumer refuses a mismatch).
+
+    Fields this struct does not name travel in `extra` untouched.
+    """
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -115,23 +141,37 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     remote_block_ids: list[int] | None = None
     remote_host: str | None = None
     remote_port: int | None = None
+    remote_group_block_ids: list[list[int]] | None = None
+    remote_state_slot: int | None = None
+    num_prompt_tokens: int | None = None
+    first_token_id: int | None = None
+    lease_id: str | None = None
+    lease_expiry_unix: float | None = None
+    remote_transport: str | None = None
+    block_size: int | None = None
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
     _NAMED = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids",
-              "remote_host", "remote_port")
+              "remote_host", "remote_port", "remote_group_block_ids", "remote_state_slot",
+              "num_prompt_tokens", "first_token_id", "lease_id", "lease_expiry_unix",
+              "remote_transport", "block_size")
+    _WHOLE = ("remote_port", "remote_state_slot", "num_prompt_tokens", "first_token_id", "block_size")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "KVTransferParams":
         """From a JSON-like dict (a protobuf Struct's); raises ValueError on a mistyped field."""
         known = {k: data[k] for k in cls._NAMED if k in data and data[k] is not None}
         # A Struct carries every number as a double: whole numbers become ints again.
-        if "remote_port" in known:
-            known["remote_port"] = _whole("remote_port", known["remote_port"])
+        for name in cls._WHOLE:
+            if name in known:
+                known[name] = _whole(name, known[name])
         if "remote_block_ids" in known:
-            ids = known["remote_block_ids"]
-            if not isinstance(ids, (list, tuple)):
-                raise ValueError("remote_block_ids: must be a list of block ids")
-            known["remote_block_ids"] = [_whole("remote_block_ids", b) for b in ids]
+            known["remote_block_ids"] = _whole_list("remote_block_ids", known["remote_block_ids"])
+        if "remote_group_block_ids" in known:
+            groups = known["remote_group_block_ids"]
+            if not isinstance(groups, (list, tuple)):
+                raise ValueError("remote_group_block_ids: must be a list of block-id lists")
+            known["remote_group_block_ids"] = [_whole_list("remote_group_block_ids", g) for g in groups]
         extra = {k: v for k, v in data.items() if k not in cls._NAMED}
         try:
             return msgspec.convert({**known, "extra": extra}, cls)
@@ -146,6 +186,12 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if value is not None and value is not False:
                 out[k] = value
         return out
+
+
+def _whole_list(field: str, ids: Any) -> list[int]:
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{field}: must be a list of block ids")
+    return [_whole(field, b) for b in ids]
 
 
 def _whole(field: str, value: Any) -> int:

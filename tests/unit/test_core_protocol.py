@@ -375,3 +375,19 @@ def test_core_process_with_idle_spin_serves_requests_that_come_during_and_after_
             client.stop()
 
     asyncio.run(main())
+
+
+def test_kv_transfer_tandem_fields_round_trip_through_a_struct_dict():
+    """Tandem's own transfer fields survive the Struct's doubles and come back as ints."""
+    data = {"do_remote_prefill": True, "remote_group_block_ids": [[1.0, 2.0], [7.0]], "remote_state_slot": 3.0,
+            "num_prompt_tokens": 40.0, "first_token_id": 1234.0, "lease_id": "L1", "lease_expiry_unix": 1.5e9,
+            "remote_transport": "tcp", "block_size": 16.0}
+    params = KVTransferParams.from_dict(data)
+    assert params.remote_group_block_ids == [[1, 2], [7]]
+    assert (params.remote_state_slot, params.num_prompt_tokens, params.first_token_id, params.block_size) == (3, 40, 1234, 16)
+    assert params.extra == {}
+    assert KVTransferParams.from_dict(params.to_dict()) == params
+    with pytest.raises(ValueError, match="remote_group_block_ids"):
+        KVTransferParams.from_dict({"remote_group_block_ids": [[1.5]]})
+    with pytest.raises(ValueError, match="first_token_id"):
+        KVTransferParams.from_dict({"first_token_id": 2.5})
