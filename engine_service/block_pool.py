@@ -7,6 +7,7 @@ to take and release; a pool only keeps the books of its own blocks.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -34,9 +35,11 @@ class BlockPool:
 
     Free capacity is the free list (never cached or cleared blocks, used first) plus the
     evictable set (cached blocks nobody references, evicted least recently used first).
+    `on_evict(hash)`, when given, hears of every hash an eviction removes (state checkpoints
+    belong to their block and go with it).
     """
 
-    def __init__(self, group: PagedGroup) -> None:
+    def __init__(self, group: PagedGroup, on_evict: Callable[[int], None] | None = None) -> None:
         if group.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.group = group
@@ -47,6 +50,7 @@ class BlockPool:
         # Unreferenced cached blocks in LRU order (oldest first). Values are unused.
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self.on_evict = on_evict
 
     @property
     def num_free(self) -> int:
@@ -66,6 +70,8 @@ class BlockPool:
             block = self.blocks[block_id]
             assert block.hash is not None
             del self.cached[block.hash]
+            if self.on_evict is not None:
+                self.on_evict(block.hash)
             block.hash = None
         block = self.blocks[block_id]
         block.ref_count = 1

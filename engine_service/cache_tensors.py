@@ -2,8 +2,9 @@
 
 Per layer of a paged attention group (full or sliding window): `[2, num_blocks + 1, block_size,
 num_kv_heads, head_dim]` (K and V). Per layer of a latent group: `[num_blocks + 1, block_size,
-entry_size]`. Per layer of a state group and per state shape: `[num_slots + 1, *shape]`. The
-extra block / slot past each pool is scratch, written only by padded CUDA-graph rows.
+entry_size]`. Per layer of a state group and per state shape: `[num_slots + num_checkpoint_slots
++ 1, *shape]` (request slots, then state checkpoint slots; see `state_pool.py`). The extra block /
+slot past each pool is scratch, written only by padded CUDA-graph rows.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def allocate_cache_tensors(
                 out.latent[layer] = torch.zeros(shape, dtype=_dtype(spec.dtype), device=device)
             elif isinstance(spec, StateSpec):
                 out.state.setdefault(group.name, {})[layer] = [
-                    torch.zeros((gp.num_slots + 1, *s), dtype=_dtype(d), device=device)
+                    torch.zeros((gp.num_slots + gp.num_checkpoint_slots + 1, *s), dtype=_dtype(d), device=device)
                     for s, d in zip(spec.shapes, spec.dtypes)
                 ]
             else:  # pragma: no cover - a new spec kind must be taught here

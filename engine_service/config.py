@@ -74,10 +74,30 @@ class CacheConfig:
                                   flag="kv-cache-memory-fraction")
     cpu_kv_cache_bytes: int = _opt(1 << 30, "CPU: KV pool size in GiB", flag="cpu-kv-cache-gb", scale=1 << 30)
     enable_prefix_caching: bool = _opt(True, "turn prefix caching off", flag="no-prefix-caching", negate=True)
+    # Hybrid models (recurrent state layers): prefix caching needs the state after the prefix too,
+    # so a copy of it (a checkpoint) is kept every `state_checkpoint_stride` tokens of a prefill.
+    state_checkpoint_stride: int | None = _opt(
+        None, "models with recurrent state: tokens between the state checkpoints prefix caching keeps, a "
+              "multiple of the block size; hits are rounded down to it (default: 512, or one block if larger)")
+    state_checkpoint_memory_fraction: float = _opt(
+        0.1, "models with recurrent state: share of the cache memory given to state checkpoints (the rest "
+             "to KV blocks and request slots); 0: none, so such models get no prefix hits")
+
+    def checkpoint_stride(self) -> int:
+        """Tokens between state checkpoints (`state_checkpoint_stride`, or its default)."""
+        if self.state_checkpoint_stride is not None:
+            return self.state_checkpoint_stride
+        return max(512, self.block_size)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
+        stride = self.checkpoint_stride()
+        if stride < self.block_size or stride % self.block_size:
+            raise ValueError(f"state_checkpoint_stride ({stride}) must be a positive multiple of "
+                             f"block_size ({self.block_size})")
+        if not 0.0 <= self.state_checkpoint_memory_fraction < 1.0:
+            raise ValueError("state_checkpoint_memory_fraction must be in [0, 1)")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2")
         if not 0.0 < self.memory_fraction <= 1.0:

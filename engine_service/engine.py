@@ -38,6 +38,9 @@ from tandem.engine_service.worker import StepWorker, WorkerStep
 log = structlog.get_logger(__name__)
 
 
+# Entries of `BlockManager.group_usage()` that are not paged cache groups.
+_NOT_PAGED = ("state_slots", "state_checkpoints")
+
 # One request's delta of one step: the protocol's RequestOutput (torch-free, sent per step).
 StepOutput = RequestOutput
 
@@ -72,7 +75,8 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         plan = getattr(self.runner, "memory_plan", None)  # stand-in runners have one plain pool
         self.block_manager = (
-            BlockManager.from_plan(plan, config.cache.enable_prefix_caching) if plan is not None
+            BlockManager.from_plan(plan, config.cache.enable_prefix_caching, config.cache.checkpoint_stride())
+            if plan is not None
             else BlockManager(self.runner.num_blocks, self.runner.block_size, config.cache.enable_prefix_caching)
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
@@ -239,6 +243,11 @@ class LLMEngine:
             aborted_requests_total=self.counters.aborted_requests,
             overlap_scheduling=self.overlap,
             max_prefill_tokens_per_seq=self.scheduler.prefill_cap,
-            group_blocks_used=sum(g["used"] for name, g in groups.items() if name != "state_slots"),
+            group_blocks_used=sum(g["used"] for name, g in groups.items() if name not in _NOT_PAGED),
             state_slots_used=groups.get("state_slots", {}).get("used", 0),
+            prefix_cache_kv_hits=bm.prefix_kv_hits,
+            state_checkpoints_total=groups.get("state_checkpoints", {}).get("total", 0),
+            state_checkpoints_used=groups.get("state_checkpoints", {}).get("used", 0),
+            state_checkpoints_pending=groups.get("state_checkpoints", {}).get("pending", 0),
+            state_checkpoint_saves=bm.checkpoints.num_saved if bm.checkpoints is not None else 0,
         )

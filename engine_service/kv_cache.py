@@ -19,6 +19,17 @@ own pool and its own hash -> block map; a hit of k blocks must be valid in every
 a full-attention group needs all of blocks 0..k-1 cached, a sliding-window group only those the
 first query after the hit can see (blocks freed for being outside the window, and evicted since,
 are not needed, and a hit never reuses a block whose content was evicted: its hash is gone).
+
+State checkpoints (models with state groups, e.g. Gated DeltaNet layers): K/V blocks alone cannot
+resume a prefix, because the recurrent state after it is needed too. A prefill chunk that ends on
+a checkpoint position `p` (a multiple of `checkpoint_stride`, itself a multiple of the block size,
+within the tokens known at admission) saves the request's state slot into a checkpoint slot after
+the forward (`state_copies_after`); once the block ending at `p` is hashed (`commit`), the
+checkpoint is registered under that block's hash and belongs to it (evicted with it, or LRU when
+checkpoint slots run out). A hit is then truncated to the last position with a checkpoint, and
+admission restores that checkpoint into the request's slot before the forward
+(`state_copies_before`). The scheduler cuts prefill chunks at checkpoint positions
+(`checkpoint_chunk`). Without checkpoint slots, a model with state groups gets no prefix hits.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine_service.block_pool import Block, BlockPool, PagedGroup
 from tandem.engine_service.sequence import Sequence
-from tandem.engine_service.state_pool import StateSlotPool
+from tandem.engine_service.state_pool import CheckpointSlots, StateSlotPool
 
 # Distinguishes the first block of a sequence (no parent) from a block whose parent hash
 # happens to have any particular value.
@@ -74,6 +85,16 @@ class _Plan:
     taken: list[int] = field(default_factory=list)  # per group: new blocks + revived hits
     freed: list[int] = field(default_factory=list)  # per group: blocks the window trim gives back
     needs_slot: bool = False
+    kv_hit_blocks: int = 0  # the hit K/V alone would give (before truncation to a checkpoint)
+
+
+@dataclass
+class _Checkpointing:
+    """One admitted request's checkpoint books: positions up to `limit` may be saved; `pending`
+    holds (position, checkpoint slot, cache generation) of saves not registered yet."""
+
+    limit: int
+    pending: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class BlockManager:
@@ -94,6 +115,11 @@ class BlockManager:
     4. `free(seq)` releases everything, the state slot included (finish, abort, error and
        preemption all end here).
 
+    With state checkpoints (see the module docstring) the scheduler also shortens chunks with
+    `checkpoint_chunk`, and takes each step's slot -> slot copies with `pop_state_copies`
+    (restores queued by `allocate` at admission, saves by `allocate` of a chunk ending on a
+    checkpoint position).
+
     `num_blocks`, `blocks`, `num_free_blocks` and `slot` describe the primary (first) group;
     `usage` is the fullest group's.
     """
@@ -106,6 +132,8 @@ class BlockManager:
         *,
         groups: SeqOf[PagedGroup] | None = None,
         num_state_slots: int = 0,
+        num_checkpoint_slots: int = 0,
+        checkpoint_stride: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -115,19 +143,39 @@ class BlockManager:
             raise ValueError("a block manager needs at least one paged group")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pools = [BlockPool(g) for g in groups]
-        self.num_groups = len(self.pools)
+        self.num_groups = len(groups)
+        self.state_slots = StateSlotPool(num_state_slots, num_checkpoint_slots) if num_state_slots else None
+        # Checkpoints only make sense for a model with state that caches prefixes.
+        self.checkpoints: CheckpointSlots | None = None
+        self.checkpoint_stride = 0
+        if num_state_slots and num_checkpoint_slots and enable_prefix_caching:
+            if checkpoint_stride < block_size or checkpoint_stride % block_size:
+                raise ValueError(f"checkpoint_stride ({checkpoint_stride}) must be a positive multiple of "
+                                 f"block_size ({block_size})")
+            self.checkpoints = CheckpointSlots(num_state_slots, num_checkpoint_slots)
+            self.checkpoint_stride = checkpoint_stride
+        on_evict = self._on_evict if self.checkpoints is not None else None
+        self.pools = [BlockPool(g, on_evict) for g in groups]
         self._windowed = [i for i, p in enumerate(self.pools) if p.window is not None]
-        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        self._checkpointing: dict[Sequence, _Checkpointing] = {}
+        self._generation = 0  # bumped by reset_prefix_cache: older pending saves are not registered
+        # This step's slot -> slot copies, with the request each belongs to: (src, dst, seq).
+        self._copies_before: list[tuple[int, int, Sequence]] = []
+        self._copies_after: list[tuple[int, int, Sequence]] = []
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hits = 0  # of those, tokens served from the cache
+        # Tokens whose K/V were cached at admission (hits before truncation to a checkpoint; equal
+        # to prefix_hits for a model without state groups).
+        self.prefix_kv_hits = 0
 
     @classmethod
-    def from_plan(cls, plan, enable_prefix_caching: bool = True) -> "BlockManager":
-        """One pool per paged group of a `memory.MemoryPlan`, and its state slots."""
+    def from_plan(cls, plan, enable_prefix_caching: bool = True, checkpoint_stride: int = 0) -> "BlockManager":
+        """One pool per paged group of a `memory.MemoryPlan`, its state slots and checkpoint slots."""
         groups = [PagedGroup(g.name, g.num_blocks, g.sliding_window) for g in plan.paged_groups]
         return cls(groups[0].num_blocks, plan.block_size, enable_prefix_caching,
-                   groups=groups, num_state_slots=plan.num_state_slots)
+                   groups=groups, num_state_slots=plan.num_state_slots,
+                   num_checkpoint_slots=getattr(plan, "num_checkpoint_slots", 0),
+                   checkpoint_stride=checkpoint_stride)
 
     # -- capacity ----------------------------------------------------------------------------
     @property
@@ -164,6 +212,11 @@ class BlockManager:
         out = {p.group.name: {"total": p.num_blocks, "used": p.num_blocks - p.num_free} for p in self.pools}
         if self.state_slots is not None:
             out["state_slots"] = {"total": self.state_slots.num_slots, "used": self.state_slots.num_used}
+        if self.checkpoints is not None:
+            # "used": registered (reusable, like cached blocks) or pending (owned by a request).
+            ck = self.checkpoints
+            out["state_checkpoints"] = {"total": ck.num_slots, "used": ck.num_registered + ck.num_pending,
+                                        "pending": ck.num_pending}
         return out
 
     def slot(self, seq: Sequence, pos: int, group: int = 0) -> int:
@@ -178,20 +231,23 @@ class BlockManager:
         a fresh sequence that is the last prompt token; for a preempted one being recomputed,
         the prompt and the output tokens before the last one are eligible.
         """
-        hit_blocks, _ = self._lookup(seq)
+        hit_blocks, _, _ = self._lookup(seq)
         return hit_blocks * self.block_size
 
-    def _lookup(self, seq: Sequence) -> tuple[int, list[int]]:
-        """The largest hit (in blocks) valid in every group, and the hashes of its blocks."""
+    def _lookup(self, seq: Sequence) -> tuple[int, list[int], int]:
+        """The largest hit (in blocks) valid in every group (and, with state groups, ending on a
+        checkpoint), the hashes of its blocks, and the hit the K/V blocks alone would give."""
         if not self.enable_prefix_caching:
-            return 0, []
+            return 0, [], 0
         tokens = seq.token_ids
         bs = self.block_size
         hashes: list[int] = []
         parent: int | None = None
         # Per windowed group: first block of the current run of cached blocks.
         run_start = {g: 0 for g in self._windowed}
-        best = 0
+        best = kv_best = 0
+        has_state = self.state_slots is not None
+        checkpoints = self.checkpoints
         for i in range((len(tokens) - 1) // bs):
             h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(h)
@@ -207,8 +263,11 @@ class BlockManager:
                 break
             k = i + 1
             if all(run_start[g] <= first_needed_block(k * bs, self.pools[g].window, bs) for g in self._windowed):
-                best = k
-        return best, hashes[:best]
+                kv_best = k
+                # State groups: K/V resume a prefix only together with the state after it.
+                if not has_state or (checkpoints is not None and h in checkpoints):
+                    best = k
+        return best, hashes[:best], kv_best
 
     # -- allocation --------------------------------------------------------------------------
     def _admitted(self, seq: Sequence) -> bool:
@@ -243,8 +302,9 @@ class BlockManager:
                 plan.taken.append(new)
                 plan.freed.append(freed)
             return plan
-        hit_blocks, hit_hashes = self._lookup(seq)
-        plan = _Plan(hit_blocks, hit_hashes, needs_slot=self.state_slots is not None and seq.state_slot is None)
+        hit_blocks, hit_hashes, kv_hit_blocks = self._lookup(seq)
+        plan = _Plan(hit_blocks, hit_hashes, needs_slot=self.state_slots is not None and seq.state_slot is None,
+                     kv_hit_blocks=kv_hit_blocks)
         needed = -(-(hit_blocks * bs + num_new_tokens) // bs)
         new = max(0, needed - hit_blocks)
         for pool in self.pools:
@@ -282,6 +342,8 @@ class BlockManager:
             if self._windowed:
                 self._trim(seq)
             if num_new_tokens >= 0 and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+                if self.checkpoints is not None:
+                    self._queue_save(seq, num_new_tokens)
                 return True  # the common decode step: the last block still has room
         plan = self._plan(seq, num_new_tokens)
         # Checking up front makes failure side-effect free: nothing to roll back.
@@ -293,7 +355,65 @@ class BlockManager:
             table = seq.block_tables[g]
             for _ in range(plan.new_blocks[g]):
                 table.append(pool.take_free())
+        if self.checkpoints is not None:
+            self._queue_save(seq, num_new_tokens)
         return True
+
+    # -- state checkpoints -------------------------------------------------------------------
+    def checkpoint_chunk(self, seq: Sequence, start: int, num_new_tokens: int) -> int:
+        """`num_new_tokens`, shortened so a chunk from `start` ends on the last checkpoint
+        position it reaches (so its state can be saved there); unchanged without checkpoints,
+        when it reaches none, or when every checkpoint slot is pending."""
+        checkpoints = self.checkpoints
+        if checkpoints is None or num_new_tokens < 1:
+            return num_new_tokens
+        books = self._checkpointing.get(seq)
+        limit = books.limit if books is not None else seq.num_known_tokens
+        end = min(start + num_new_tokens, limit)
+        p = end - end % self.checkpoint_stride
+        if p <= start or not checkpoints.can_take():
+            return num_new_tokens
+        return p - start
+
+    def _queue_save(self, seq: Sequence, num_new_tokens: int) -> None:
+        """A chunk ending on a checkpoint position within the limit saves the state there."""
+        end = seq.num_computed_tokens + num_new_tokens
+        if num_new_tokens < 1 or end % self.checkpoint_stride:
+            return
+        books = self._checkpointing.get(seq)
+        checkpoints = self.checkpoints
+        if books is None or end > books.limit or seq.state_slot is None or not checkpoints.can_take():
+            return
+        if any(pos == end for pos, _, _ in books.pending):
+            return  # the same position scheduled again (cannot happen today; never save twice)
+        slot = checkpoints.take()
+        books.pending.append((end, slot, self._generation))
+        self._copies_after.append((seq.state_slot, slot, seq))
+
+    def _register_checkpoints(self, seq: Sequence, books: _Checkpointing) -> None:
+        """Register pending saves whose block (the one ending at their position) is hashed."""
+        hashed = len(seq.block_hashes) * self.block_size
+        checkpoints = self.checkpoints
+        keep = []
+        for pos, slot, generation in books.pending:
+            if pos > hashed:
+                keep.append((pos, slot, generation))
+            elif generation != self._generation:
+                checkpoints.release(slot)  # computed before a cache reset
+            else:
+                checkpoints.register(seq.block_hashes[pos // self.block_size - 1], slot)
+        books.pending = keep
+
+    def _on_evict(self, block_hash: int) -> None:
+        self.checkpoints.drop(block_hash)
+
+    def pop_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (src, dst) slot copies: restores before the forward, saves after it."""
+        before = [(src, dst) for src, dst, _ in self._copies_before]
+        after = [(src, dst) for src, dst, _ in self._copies_after]
+        self._copies_before = []
+        self._copies_after = []
+        return before, after
 
     def _trim(self, seq: Sequence) -> None:
         for g in self._windowed:
@@ -317,6 +437,11 @@ class BlockManager:
             tables.append(table)
         if plan.needs_slot and self.state_slots is not None:
             seq.state_slot = self.state_slots.take()
+        if self.checkpoints is not None:
+            self._checkpointing[seq] = _Checkpointing(seq.num_known_tokens)
+            if k:
+                src = self.checkpoints.restore(plan.hit_hashes[k - 1])
+                self._copies_before.append((src, seq.state_slot, seq))
         num_hit_tokens = k * bs
         seq.block_tables = tables
         seq.block_hashes = list(plan.hit_hashes)
@@ -326,6 +451,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_hit_tokens
+            self.prefix_kv_hits += plan.kv_hit_blocks * bs
 
     # -- after a step ------------------------------------------------------------------------
     def commit(self, seq: Sequence) -> None:
@@ -357,6 +483,14 @@ class BlockManager:
         num_full = computed // bs
         if num_full <= first:
             return
+        self._hash_blocks(seq, first, num_full)
+        if self.checkpoints is not None:
+            books = self._checkpointing.get(seq)
+            if books is not None and books.pending:
+                self._register_checkpoints(seq, books)
+
+    def _hash_blocks(self, seq: Sequence, first: int, num_full: int) -> None:
+        bs = self.block_size
         tokens = seq.token_ids
         for i in range(first, num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
@@ -382,18 +516,35 @@ class BlockManager:
                     pool.release(block_id)
         seq.block_tables = [[] for _ in self.pools]
         seq.block_hashes = []
+        if self.checkpoints is not None:
+            self._forget_checkpointing(seq)
         if seq.state_slot is not None:
             if self.state_slots is None:
                 raise RuntimeError(f"{seq.request_id} holds a state slot but the model has no state groups")
             self.state_slots.release(seq.state_slot)
             seq.state_slot = None
 
+    def _forget_checkpointing(self, seq: Sequence) -> None:
+        """A request ends: free its pending checkpoint slots and drop its queued copies."""
+        books = self._checkpointing.pop(seq, None)
+        if books is not None:
+            for _, slot, _ in books.pending:
+                self.checkpoints.release(slot)
+        if self._copies_before:
+            self._copies_before = [c for c in self._copies_before if c[2] is not seq]
+        if self._copies_after:
+            self._copies_after = [c for c in self._copies_after if c[2] is not seq]
+
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block; unreferenced ones go back to the free list.
+        """Forget every cached block (and state checkpoint); unreferenced ones go back to the free list.
 
         Blocks in use keep their contents and owners but lose their hash, so no later request
-        can hit K/V computed before the reset (e.g. with older weights). Always succeeds.
+        can hit K/V computed before the reset (e.g. with older weights); pending checkpoint saves
+        are not registered. Always succeeds.
         """
         for pool in self.pools:
             pool.reset()
+        if self.checkpoints is not None:
+            self.checkpoints.reset()
+            self._generation += 1
         return True

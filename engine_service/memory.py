@@ -8,7 +8,7 @@ is logged one line per group and kept on the runner (`ModelRunner.memory_plan`,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 import structlog
@@ -46,7 +46,8 @@ def kv_bytes_per_block(model_config: KVCacheShape, block_size: int, dtype: torch
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """What one cache group gets: `num_blocks` blocks (paged) or `num_slots` slots (state).
+    """What one cache group gets: `num_blocks` blocks (paged) or `num_slots` request slots and
+    `num_checkpoint_slots` state checkpoint slots (state).
 
     The runner allocates one more block / slot past each (scratch for padded CUDA-graph rows);
     those are not counted here.
@@ -60,6 +61,7 @@ class GroupPlan:
     num_slots: int = 0
     bytes_per_slot: int = 0
     sliding_window: int | None = None
+    num_checkpoint_slots: int = 0
 
     @property
     def paged(self) -> bool:
@@ -67,7 +69,7 @@ class GroupPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block + self.num_slots * self.bytes_per_slot
+        return self.num_blocks * self.bytes_per_block + (self.num_slots + self.num_checkpoint_slots) * self.bytes_per_slot
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,11 @@ class MemoryPlan:
     def num_state_slots(self) -> int:
         """Requests that can hold state at once (0 when the layout has no state group)."""
         return max((g.num_slots for g in self.state_groups), default=0)
+
+    @property
+    def num_checkpoint_slots(self) -> int:
+        """State checkpoint slots (prefix caching of models with state; 0 without state groups)."""
+        return max((g.num_checkpoint_slots for g in self.state_groups), default=0)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -156,13 +163,16 @@ def plan_cache(
 
     1. State groups get `max_num_seqs` slots each (one per running request), reserved first.
     2. `reserved_bytes` (activation headroom) is set aside.
-    3. The rest is cut into blocks. Full-attention and latent groups track the same tokens, so
+    3. With prefix caching, state checkpoint slots (one slot of every state group each) take
+       `state_checkpoint_memory_fraction` of what is left.
+    4. The rest is cut into blocks. Full-attention and latent groups track the same tokens, so
        they get the same block count N. A sliding-window group never needs more than
        `sliding_group_cap` blocks; when that is below the even split it gets exactly that and the
        memory it leaves goes to the other groups (a model whose every paged group is windowed
        splits the budget evenly).
 
-    `cache_config.num_blocks`, when set, gives every paged group that many blocks.
+    `cache_config.num_blocks`, when set, gives every paged group that many blocks; checkpoints
+    then take the same fraction of the blocks' and checkpoints' bytes together.
     """
     device = torch.device(device)
     bs = cache_config.block_size
@@ -174,12 +184,21 @@ def plan_cache(
     per_block = {g.name: g.bytes_per_block(bs) for g in paged}
     blocks: dict[str, int] = {}
     budget: int | None = None
+    per_checkpoint = sum(s.bytes_per_slot for s in state)
+    fraction = cache_config.state_checkpoint_memory_fraction if cache_config.enable_prefix_caching else 0.0
+    num_checkpoints = 0
     if cache_config.num_blocks is not None:
         blocks = {g.name: cache_config.num_blocks for g in paged}
+        if per_checkpoint and fraction:
+            blocks_bytes = cache_config.num_blocks * sum(per_block.values())
+            num_checkpoints = int(blocks_bytes * fraction / (1.0 - fraction)) // per_checkpoint
     else:
         budget = available_bytes(device, cache_config)
         state_bytes = sum(s.total_bytes for s in state)
         left = max(budget - state_bytes - reserved_bytes, 0)
+        if per_checkpoint and fraction:
+            num_checkpoints = int(left * fraction) // per_checkpoint
+            left -= num_checkpoints * per_checkpoint
         even = left // sum(per_block.values())
         caps = {}
         if any(not isinstance(g.spec, SlidingWindowSpec) for g in paged):
@@ -197,8 +216,11 @@ def plan_cache(
                 f"reserved {reserved_bytes} B, {sum(per_block.values())} B per block across groups; "
                 f"lower max_num_seqs or raise the memory budget"
             )
+    if per_checkpoint and fraction and not num_checkpoints:
+        log.warning("no memory for state checkpoints: this model gets no prefix-cache hits",
+                    bytes_per_checkpoint=per_checkpoint, fraction=fraction)
     plans: list[GroupPlan] = []
-    state_by_name = {s.name: s for s in state}
+    state_by_name = {s.name: replace(s, num_checkpoint_slots=num_checkpoints) for s in state}
     for g in layout.groups:
         if g.paged:
             plans.append(GroupPlan(
@@ -213,6 +235,7 @@ def plan_cache(
             "cache group planned", device=str(device), group=gp.name, kind=gp.kind, layers=len(gp.layer_ids),
             num_blocks=gp.num_blocks, block_size=bs, bytes_per_block=gp.bytes_per_block,
             sliding_window=gp.sliding_window, num_slots=gp.num_slots, bytes_per_slot=gp.bytes_per_slot,
+            num_checkpoint_slots=gp.num_checkpoint_slots,
             gib=round(gp.total_bytes / 2**30, 3),
         )
     return plan

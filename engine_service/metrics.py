@@ -43,12 +43,18 @@ _GAUGES = (
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled (new or preempted)."),
     ("kv_cache_usage_perc", "kv_usage",
      "Fraction of KV-cache blocks held by requests, 0..1 (blocks kept only for prefix reuse are free)."),
+    ("state_checkpoints_used", "state_checkpoints_used",
+     "State checkpoint slots holding a checkpoint or a save in flight (models with recurrent state)."),
 )
 _COUNTERS = (
     ("prompt_tokens", "prompt_tokens_total", "Prompt tokens of requests admitted to the engine."),
     ("generation_tokens", "generation_tokens_total", "Tokens generated (sampled) by the engine."),
     ("prefix_cache_queries", "prefix_cache_queries", "Tokens looked up in the prefix cache at admission."),
     ("prefix_cache_hits", "prefix_cache_hits", "Of the tokens looked up, those served from the prefix cache."),
+    ("prefix_cache_kv_hits", "prefix_cache_kv_hits",
+     "Of the tokens looked up, those whose KV blocks were cached; above prefix_cache_hits only for models "
+     "with recurrent state, whose hits end at the last state checkpoint."),
+    ("state_checkpoint_saves", "state_checkpoint_saves", "State checkpoints saved for prefix caching."),
     ("num_preemptions", "num_preemptions", "Requests preempted (recompute) because KV blocks ran out."),
     ("engine_steps", "steps_total", "Engine steps that ran the model."),
 )

@@ -20,6 +20,7 @@ from tandem.engine_service.loader import build_model, read_eos_token_ids, resolv
 from tandem.engine_service.cache_spec import CacheLayout
 from tandem.engine_service.cache_tensors import CacheTensors, allocate_cache_tensors
 from tandem.engine_service.memory import MemoryPlan, estimate_activation_bytes, plan_cache, torch_dtype_name
+from tandem.engine_service.state_copies import check_copies, copy_state_slots
 
 log = structlog.get_logger(__name__)
 
@@ -146,6 +147,16 @@ class ModelRunner:
             log.exception("cuda graph capture failed; decode runs eagerly")
             return
         self.cuda_graphs = graphs
+
+    @torch.inference_mode()
+    def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy state slot src -> dst for each pair, in every state group's layer tensors (state
+        checkpoints: restore before a step's forward, save after it). Queued; nothing waits."""
+        tensors = [t for layers in self.cache_tensors.state.values() for ts in layers.values() for t in ts]
+        if not tensors:
+            raise RuntimeError("state copies planned for a model without state groups")
+        check_copies(pairs, tensors[0].shape[0])
+        copy_state_slots(tensors, pairs)
 
     @torch.inference_mode()
     def forward(self, host: HostInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:

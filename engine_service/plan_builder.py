@@ -165,6 +165,8 @@ class StepPlanBuilder:
             finished_req_ids=self._finished,
             preempted_req_ids=preempted,
             num_cache_groups=self.num_cache_groups,
+            state_copies_before=out.state_copies_before,
+            state_copies_after=out.state_copies_after,
         )
         self._finished = []
         self._next_step_id += 1

@@ -12,6 +12,11 @@ prompt; a step stays small enough that the newcomer's first token is one short s
 prompt chunk also leaves one token of the budget for every running decode after it, so decodes
 are never starved by prefill.
 
+State checkpoints (hybrid models with prefix caching): after the fair-prefill cap and the
+decode reserve have sized a prompt chunk, the block manager may shorten it to end on the last
+checkpoint position it reaches (`BlockManager.checkpoint_chunk`), so the recurrent state there
+can be saved; a chunk is only ever shortened, never grown.
+
 One step, as driven by the engine:
 
     out = scheduler.schedule()
@@ -67,6 +72,10 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (ERROR)
+    # State slot -> slot copies (src, dst): checkpoint restores of admitted prefix hits, run
+    # before the forward, and checkpoint saves of chunks ending on a checkpoint, run after it.
+    state_copies_before: list[tuple[int, int]] = field(default_factory=list)
+    state_copies_after: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -101,6 +110,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         # Per-sequence prompt tokens of one step (0: none); only chunked prefill can split prompts.
         self.prefill_cap = config.prefill_cap(device_type) if config.enable_chunked_prefill else 0
+        # Chunks end on state checkpoint positions (only chunked prefill may split a prompt).
+        self.cut_at_checkpoints = block_manager.checkpoints is not None and config.enable_chunked_prefill
         # Both stay sorted by arrival: admission is FIFO and preempted sequences (always the
         # latest running ones) go back to the front of `waiting`.
         self.waiting: deque[Sequence] = deque()
@@ -157,6 +168,8 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget, num_ending)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        if self.block_manager.checkpoints is not None:
+            out.state_copies_before, out.state_copies_after = self.block_manager.pop_state_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
@@ -170,6 +183,8 @@ class Scheduler:
             is_decode = seq.num_uncomputed_tokens == 1
             reserved -= is_decode
             num_new = self._chunk_size(seq.num_uncomputed_tokens, budget, reserved)
+            if num_new > 1 and self.cut_at_checkpoints:
+                num_new = self.block_manager.checkpoint_chunk(seq, seq.num_computed_tokens, num_new)
             ending = seq.num_pending_tokens > 0 and seq.reached_length_limit(self.max_model_len)
             if num_new == 0 or ending:
                 # An ending sequence needs no further step; it leaves `running` when its pending
@@ -226,10 +241,13 @@ class Scheduler:
                 self._finish_error(out, seq, EXCEEDS_MAX_MODEL_LEN)
                 continue
             # match_prefix and allocate agree: nothing touches the cache in between.
-            num_todo = seq.num_tokens - bm.match_prefix(seq)
+            num_hit = bm.match_prefix(seq)
+            num_todo = seq.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_todo > budget:
                 break
             num_new = self._chunk_size(num_todo, budget, 0)
+            if num_new > 1 and self.cut_at_checkpoints:
+                num_new = bm.checkpoint_chunk(seq, num_hit, num_new)
             if not bm.allocate(seq, num_new):
                 if not self.running:
                     # The whole pool is free or evictable and this still does not fit.

@@ -13,6 +13,12 @@ A worker keeps one persistent row per request (`worker_rows.py`) and is told onl
 
 Decode tokens never travel in a plan: the worker samples them and appends them to its own rows.
 
+State checkpoints (models with state groups and prefix caching): `state_copies_before` lists
+(src, dst) state-slot copies the worker runs over every state tensor before the step's forward
+(a prefix hit restores a checkpoint slot into the request's slot), `state_copies_after` those it
+runs after the forward (a chunk that ended on a checkpoint position saves the request's slot
+into a checkpoint slot). Within each list the destinations are distinct.
+
 The plan crosses a process boundary (tensor-parallel ranks receive it by broadcast) as msgpack:
 `encode_plan` / `decode_plan`; in one process the objects are handed over as they are. A step's
 batch order is `cached_requests` then `new_requests`; sampled tokens come back in that order,
@@ -120,6 +126,8 @@ class StepPlan(msgspec.Struct, kw_only=True):
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
     num_cache_groups: int = 1
     kv_connector_metadata: KVConnectorMetadata | None = None
+    state_copies_before: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    state_copies_after: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

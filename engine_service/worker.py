@@ -2,7 +2,8 @@
 
 `StepWorker` is what one rank would run: `launch(plan, previous)` updates the rows from the plan,
 builds the step's inputs from the rows, queues the forward pass and the sampler on the device and
-marks the sampled rows' tokens pending; `collect(step)` waits for those tokens and appends them
+marks the sampled rows' tokens pending (a plan's state-slot copies run around the forward:
+checkpoint restores before it, saves after it); `collect(step)` waits for those tokens and appends them
 to the rows. Nothing here reads a scheduler object: the engine hands over a `StepPlan` and gets
 back token ids (and logprobs) in the plan's sampled-row order.
 """
@@ -59,7 +60,13 @@ class StepWorker:
         batch = self.rows.apply(plan)
         if not batch:
             return None
+        # State checkpoints: restores land in the requests' slots before the forward reads them;
+        # saves copy the slots the forward wrote (same stream, so in this order on the device).
+        if plan.state_copies_before:
+            self.runner.copy_state_slots(plan.state_copies_before)
         logits = self.execute(batch, previous)
+        if plan.state_copies_after:
+            self.runner.copy_state_slots(plan.state_copies_after)
         sampling = batch.sampling_rows
         sample = None
         if sampling:

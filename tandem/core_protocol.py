@@ -298,6 +298,13 @@ class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):
     max_prefill_tokens_per_seq: int = 0  # the fair-prefill cap in effect (0: none)
     group_blocks_used: int = 0  # used blocks over every paged cache group (kv_blocks_used: the first)
     state_slots_used: int = 0  # state slots held by sequences (models with state groups)
+    # Prefix caching of models with state groups: tokens whose K/V were cached at admission
+    # (prefix_cache_hits is that, rounded down to the last state checkpoint; equal without state).
+    prefix_cache_kv_hits: int = 0
+    state_checkpoints_total: int = 0  # checkpoint slots
+    state_checkpoints_used: int = 0  # registered (reusable) or pending (a save in flight)
+    state_checkpoints_pending: int = 0  # held by requests whose save is not registered yet
+    state_checkpoint_saves: int = 0  # checkpoints registered since start
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)

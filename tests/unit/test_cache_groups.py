@@ -126,7 +126,8 @@ def random_workload(windows: tuple, seed: int) -> tuple[BlockManager, Scheduler,
     """Shared prefixes, chunked prefill, small pools (preemption, eviction), five state slots."""
     rng = random.Random(seed)
     groups = [PagedGroup(f"g{i}", 16 if w is None else 12, sliding_window=w) for i, w in enumerate(windows)]
-    bm = BlockManager(0, BS, groups=groups, num_state_slots=5)
+    # State groups hit only at a state checkpoint: keep one every block (tests/unit/test_hybrid_prefix_cache.py).
+    bm = BlockManager(0, BS, groups=groups, num_state_slots=5, num_checkpoint_slots=4, checkpoint_stride=BS)
     bases = [[rng.randrange(50) for _ in range(rng.randrange(4, 24))] for _ in range(3)]
     seqs = []
     for i in range(14):
@@ -311,11 +312,18 @@ def test_runner_allocates_a_state_group_and_the_engine_hands_out_its_slots(monke
     state = plan.state_groups[0]
     assert (state.name, state.num_slots, state.bytes_per_slot) == ("recurrent", 3, 2 * (15 * 4 + 32 * 2))
     per_block = plan.paged_groups[0].bytes_per_block
-    assert plan.num_blocks == ((1 << 22) - 3 * state.bytes_per_slot) // per_block
+    # State checkpoints (prefix caching) take their share of what the request slots leave.
+    left = (1 << 22) - 3 * state.bytes_per_slot
+    checkpoints = int(left * config.cache.state_checkpoint_memory_fraction) // state.bytes_per_slot
+    assert state.num_checkpoint_slots == checkpoints > 0
+    assert plan.num_blocks == (left - checkpoints * state.bytes_per_slot) // per_block
     tensors = runner.cache_tensors.state["recurrent"]
     assert sorted(tensors) == [0, 1]
-    assert [(tuple(t.shape), t.dtype) for t in tensors[0]] == [((4, 3, 5), torch.float32), ((4, 2, 4, 4), torch.bfloat16)]
+    slots = 3 + checkpoints + 1  # request slots, checkpoint slots, scratch
+    assert [(tuple(t.shape), t.dtype) for t in tensors[0]] == [((slots, 3, 5), torch.float32),
+                                                               ((slots, 2, 4, 4), torch.bfloat16)]
     assert bm.state_slots is not None and bm.state_slots.num_slots == 3
+    assert bm.checkpoints is not None and bm.checkpoints.num_slots == checkpoints
     seen: set[int] = set()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i in range(5):

@@ -79,7 +79,9 @@ def test_state_groups_are_reserved_before_blocks() -> None:
     per_slot = 2 * (6 * 3 * 2 + 2 * 8 * 8 * 4)  # two layers: bf16 conv + fp32 ssm state
     assert layout.groups[1].bytes_per_slot() == per_slot
     budget = 100 * per_block
-    p = plan(Shape(), CacheConfig(cpu_kv_cache_bytes=budget), layout=layout, max_num_seqs=8)
+    # No state checkpoints here (their sizing: tests/unit/test_hybrid_prefix_cache.py).
+    p = plan(Shape(), CacheConfig(cpu_kv_cache_bytes=budget, state_checkpoint_memory_fraction=0.0), layout=layout,
+             max_num_seqs=8)
     state = p.state_groups[0]
     assert (state.num_slots, state.bytes_per_slot, p.num_state_slots) == (8, per_slot, 8)
     assert p.state_bytes == 8 * per_slot
@@ -127,7 +129,11 @@ def test_gpu_budget_is_fraction_of_free_memory_minus_reservations(monkeypatch) -
     per_block = layout.groups[0].bytes_per_block(16)
     cache = CacheConfig(memory_fraction=0.5, cpu_kv_cache_bytes=1)  # the CPU budget must not matter
     p = plan(Shape(), cache, torch.device("cuda", 0), layout=layout, reserved_bytes=2**29, max_num_seqs=4)
-    assert p.num_blocks == (free // 2 - 4 * layout.groups[1].bytes_per_slot() - 2**29) // per_block
+    per_slot = layout.groups[1].bytes_per_slot()
+    left = free // 2 - 4 * per_slot - 2**29
+    checkpoints = int(left * cache.state_checkpoint_memory_fraction) // per_slot  # state checkpoints' share
+    assert p.num_checkpoint_slots == checkpoints > 0
+    assert p.num_blocks == (left - checkpoints * per_slot) // per_block
 
 
 def test_not_enough_memory_is_an_error() -> None:

@@ -134,6 +134,11 @@ class TraceRunner:
         self.expected: list = []  # the step's ScheduledSeq entries, in plan batch order
         self.steps = self.pending_steps = self.preemptions = self.resumes = 0
         self.null_marks = self.new_with_null = self.window_checks = 0
+        self.state_copies = 0
+
+    def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """State checkpoint restores / saves (checked for content in test_hybrid_prefix_cache.py)."""
+        self.state_copies += len(pairs)
 
     def forward(self, host: HostInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         engine = self.engine
@@ -190,7 +195,8 @@ def _windowed_plan(num_blocks: int, num_slots: int) -> MemoryPlan:
     return MemoryPlan(BLOCK_SIZE, (
         GroupPlan("full_attention", "full_attention", (0,), num_blocks=num_blocks),
         GroupPlan(f"sliding_window_{WINDOW}", "sliding_window", (1,), num_blocks=num_blocks, sliding_window=WINDOW),
-        GroupPlan("state", "state", (2,), num_slots=num_slots),
+        # State hits need a checkpoint (one every block here, see CacheConfig below).
+        GroupPlan("state", "state", (2,), num_slots=num_slots, num_checkpoint_slots=6),
     ))
 
 
@@ -201,7 +207,7 @@ def _run_trace(seed: int, overlap: str, windowed: bool = False) -> TraceRunner:
     runner = TraceRunner(num_blocks, max_model_len=48, seed=seed, memory_plan=memory_plan)
     config = EngineConfig(
         ModelConfig(model="unused"),
-        CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, state_checkpoint_stride=BLOCK_SIZE),
         SchedulerConfig(max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([6, 16, 64]),
                         overlap_scheduling=overlap),
     )
@@ -271,6 +277,7 @@ def test_worker_rows_match_sequence_inputs_with_a_sliding_window_group(overlap: 
     assert sum(r.preemptions for r in runners) > 0, "no trace preempted: the test lost its teeth"
     assert sum(r.resumes for r in runners) > 0
     assert sum(r.prefix_hits for r in runners) > 0, "no prefix hit"
+    assert sum(r.state_copies for r in runners) > 0, "no state checkpoint saved or restored"
     assert sum(r.null_marks for r in runners) > 0, "no running request had entries given back"
     assert sum(r.new_with_null for r in runners) > 0, "no prefix hit over given-back window blocks"
     assert sum(r.window_checks for r in runners) > 300
