@@ -71,9 +71,16 @@ class LLMEngine:
         self.runner = runner or ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         plan = getattr(self.runner, "memory_plan", None)  # stand-in runners have one plain pool
+        prefix_caching = config.cache.enable_prefix_caching
+        if prefix_caching and plan is not None and plan.state_groups:
+            # A prefix hit would reuse K/V but not the recurrent state at that position; until
+            # state checkpoints exist, hybrid models recompute every prompt.
+            log.info("prefix caching off: the model keeps per-request state (state groups)",
+                     state_groups=[g.name for g in plan.state_groups])
+            prefix_caching = False
         self.block_manager = (
-            BlockManager.from_plan(plan, config.cache.enable_prefix_caching) if plan is not None
-            else BlockManager(self.runner.num_blocks, self.runner.block_size, config.cache.enable_prefix_caching)
+            BlockManager.from_plan(plan, prefix_caching) if plan is not None
+            else BlockManager(self.runner.num_blocks, self.runner.block_size, prefix_caching)
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    device_type=self.runner.device.type)
