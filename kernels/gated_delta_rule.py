@@ -55,7 +55,9 @@ from tandem.kernels._utils import (
     check_same_device,
     check_shape,
     dot,
+    dot_precision,
     next_power_of_2,
+    num_compute_units,
     tl,
     triton_kernel,
 )
@@ -255,6 +257,306 @@ def fused_recurrent_gated_delta_rule_update_ref(
     return out.to(v.dtype)
 
 
+# --------------------------------------------------------------------------- Triton kernels
+
+
+@triton_kernel
+def _recurrent_update_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    idx_ptr,
+    o_ptr,
+    scale,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    stride_v_row,
+    stride_v_head,
+    stride_g_row,
+    stride_b_row,
+    stride_s_slot,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    """One (request, value head, V block): the [K, BV] state tile is read once, written once."""
+    row = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    kk = tl.arange(0, BK)
+    k_ok = kk < K
+    v_ok = vv < V
+    h = hv // GROUP
+    q = tl.load(q_ptr + row * stride_q_row + h * stride_q_head + kk, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * stride_k_row + h * stride_k_head + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + EPS)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + EPS)
+    q = q * scale
+    v = tl.load(v_ptr + row * stride_v_row + hv * stride_v_head + vv, mask=v_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g_row + hv).to(tl.float32)
+    beta = tl.load(beta_ptr + row * stride_b_row + hv).to(tl.float32)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_s_slot + hv * (K * V) + kk[:, None] * V + vv[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], 0)
+    tl.store(s_ptrs, s, mask=s_mask)
+    tl.store(o_ptr + (row * HV + hv) * V + vv, cast(o, o_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton_kernel
+def _chunk_prepare_kernel(
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    cu_ptr,
+    chunk_offsets_ptr,
+    w_ptr,
+    u_ptr,
+    gamma_ptr,
+    num_seqs,
+    stride_k_row,
+    stride_k_head,
+    stride_v_row,
+    stride_v_head,
+    stride_g_row,
+    stride_b_row,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BVF: tl.constexpr,
+    C: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    L2NORM: tl.constexpr,
+    EPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (chunk, value head): W = M⁻¹(beta·e^γ·K), U = M⁻¹(beta·V) and γ, into float32 scratch."""
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    # The chunk's request: the last i with chunk_offsets[i] <= chunk (requests without chunks
+    # share their offset with the next one, which wins).
+    lo = 0
+    hi = num_seqs - 1
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(chunk_offsets_ptr + mid) <= chunk
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    start = tl.load(cu_ptr + lo) + (chunk - tl.load(chunk_offsets_ptr + lo)) * C
+    end = tl.minimum(start + C, tl.load(cu_ptr + lo + 1))
+    rows = start + tl.arange(0, C)
+    r_ok = rows < end
+    rows64 = rows.to(tl.int64)
+    kk = tl.arange(0, BK)
+    vv = tl.arange(0, BVF)
+    h = hv // GROUP
+    k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
+                mask=r_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+    if L2NORM:
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
+    beta = tl.load(beta_ptr + rows64 * stride_b_row + hv, mask=r_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows64 * stride_g_row + hv, mask=r_ok, other=0.0).to(tl.float32)
+    gamma = tl.cumsum(g, 0)
+    ci = tl.arange(0, C)
+    strict = ci[:, None] > ci[None, :]
+    decay = tl.exp(tl.where(strict, gamma[:, None] - gamma[None, :], 0.0))
+    kb = k * beta[:, None]
+    a = tl.where(strict, dot(kb, tl.trans(k), PRECISION) * decay, 0.0)
+    # T = (I + A)⁻¹ by forward substitution: T[i] = e_i − Σ_{j<i} A[i, j] T[j].
+    t = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        a_i = tl.sum(tl.where(ci[:, None] == i, a, 0.0), 0)  # row i of A, indexed by column
+        row_i = tl.where(ci == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, 0)
+        t = tl.where(ci[:, None] == i, row_i[None, :], t)
+    w = dot(t, kb * tl.exp(gamma)[:, None], PRECISION)
+    v = tl.load(v_ptr + rows64[:, None] * stride_v_row + hv * stride_v_head + vv[None, :],
+                mask=r_ok[:, None] & (vv < V)[None, :], other=0.0).to(tl.float32)
+    u = dot(t, v * beta[:, None], PRECISION)
+    out_rows = rows64[:, None] * HV + hv
+    tl.store(w_ptr + out_rows * K + kk[None, :], w, mask=r_ok[:, None] & (kk < K)[None, :])
+    tl.store(u_ptr + out_rows * V + vv[None, :], u, mask=r_ok[:, None] & (vv < V)[None, :])
+    tl.store(gamma_ptr + rows64 * HV + hv, gamma, mask=r_ok)
+
+
+@triton_kernel
+def _chunk_scan_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    u_ptr,
+    gamma_ptr,
+    state_ptr,
+    idx_ptr,
+    cu_ptr,
+    init_ptr,
+    o_ptr,
+    scale,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    stride_s_slot,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    L2NORM: tl.constexpr,
+    EPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (request, value head, V block): walks the request's chunks carrying S [K, BV] in
+    registers; writes the outputs and the final state."""
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    kk = tl.arange(0, BK)
+    k_ok = kk < K
+    v_ok = vv < V
+    h = hv // GROUP
+    start = tl.load(cu_ptr + seq)
+    end = tl.load(cu_ptr + seq + 1)
+    slot = tl.load(idx_ptr + seq).to(tl.int64)
+    has_init = tl.load(init_ptr + seq) != 0
+    s_ptrs = state_ptr + slot * stride_s_slot + hv * (K * V) + kk[:, None] * V + vv[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    s = tl.where(has_init, s, 0.0)  # a fresh slot's contents (even NaN) never enter
+    ci = tl.arange(0, C)
+    causal = ci[:, None] >= ci[None, :]
+    for c0 in range(start, end, C):
+        rows = c0 + ci
+        r_ok = rows < end
+        rows64 = rows.to(tl.int64)
+        qk_mask = r_ok[:, None] & k_ok[None, :]
+        q = tl.load(q_ptr + rows64[:, None] * stride_q_row + h * stride_q_head + kk[None, :],
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, 1) + EPS)[:, None]
+            k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
+        q = q * scale
+        out_rows = rows64[:, None] * HV + hv
+        gamma = tl.load(gamma_ptr + rows64 * HV + hv, mask=r_ok, other=0.0)
+        last = tl.minimum(c0 + C, end) - 1
+        gamma_last = tl.load(gamma_ptr + last.to(tl.int64) * HV + hv)
+        w = tl.load(w_ptr + out_rows * K + kk[None, :], mask=qk_mask, other=0.0)
+        u = tl.load(u_ptr + out_rows * V + vv[None, :], mask=r_ok[:, None] & v_ok[None, :], other=0.0)
+        v_new = u - dot(w, s, PRECISION)
+        decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0))
+        attn = tl.where(causal, dot(q, tl.trans(k), PRECISION) * decay, 0.0)
+        o = dot(q * tl.exp(gamma)[:, None], s, PRECISION) + dot(attn, v_new, PRECISION)
+        tl.store(o_ptr + out_rows * V + vv[None, :], cast(o, o_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & v_ok[None, :])
+        k_decayed = k * tl.exp(gamma_last - gamma)[:, None]
+        s = s * tl.exp(gamma_last) + dot(tl.trans(k_decayed), v_new, PRECISION)
+    tl.store(s_ptrs, s, mask=s_mask)
+
+
+def _check_state_layout(state: torch.Tensor) -> None:
+    _, vheads, kdim, vdim = state.shape
+    if state.stride()[1:] != (kdim * vdim, vdim, 1):
+        raise ValueError("each slot of state must be contiguous ([HV, K, V] row-major)")
+
+
+def _check_rows(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        check_contiguous_last_dim(name, t)
+
+
+def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has_initial_state,
+                  use_qk_l2norm, chunk_size) -> torch.Tensor:
+    rows, heads, vheads, kdim, vdim = _check_inputs(q, k, v, g, beta, state, state_indices)
+    batch = state_indices.shape[0]
+    _check_varlen(cu_seqlens, has_initial_state, batch)
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64 for the Triton kernel, got {chunk_size}")
+    _check_state_layout(state)
+    _check_rows(q=q, k=k, v=v)
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta must be contiguous in their head dimension")
+    device = q.device
+    out = torch.empty(rows, vheads, vdim, dtype=v.dtype, device=device)
+    if batch == 0:
+        return out
+    # The chunk -> request map, on the device: no host sync, grid sized from shapes only.
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+    chunk_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    torch.cumsum((lengths + chunk_size - 1) // chunk_size, 0, out=chunk_offsets[1:])
+    w = torch.empty(rows, vheads, kdim, dtype=torch.float32, device=device)
+    u = torch.empty(rows, vheads, vdim, dtype=torch.float32, device=device)
+    gamma = torch.empty(rows, vheads, dtype=torch.float32, device=device)
+    bk = next_power_of_2(kdim)
+    precision = dot_precision(v.dtype)
+    group = vheads // heads
+    search = max(1, batch.bit_length())
+    if rows:
+        max_chunks = rows // chunk_size + batch
+        _chunk_prepare_kernel.on(device)[(max_chunks, vheads)](
+            k, v, g, beta, cu_seqlens, chunk_offsets, w, u, gamma, batch,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BVF=next_power_of_2(vdim), C=chunk_size,
+            SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision,
+            num_warps=8 if chunk_size * max(bk, vdim) >= 8192 else 4,
+        )
+    bv = min(32, next_power_of_2(vdim))
+    _chunk_scan_kernel.on(device)[(batch, vheads, cdiv(vdim, bv))](
+        q, k, w, u, gamma, state, state_indices, cu_seqlens, has_initial_state.view(torch.uint8), out,
+        scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), state.stride(0),
+        HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=bv, C=chunk_size, L2NORM=use_qk_l2norm,
+        EPS=L2NORM_EPS, PRECISION=precision, num_warps=4 if chunk_size <= 32 else 8,
+    )
+    return out
+
+
+def _recurrent_triton(q, k, v, g, beta, scale, state, state_indices, use_qk_l2norm) -> torch.Tensor:
+    rows, heads, vheads, kdim, vdim = _check_inputs(q, k, v, g, beta, state, state_indices)
+    check_shape("state_indices", state_indices, (rows,))
+    _check_state_layout(state)
+    _check_rows(q=q, k=k, v=v)
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta must be contiguous in their head dimension")
+    out = torch.empty(rows, vheads, vdim, dtype=v.dtype, device=q.device)
+    if rows == 0:
+        return out
+    bk = next_power_of_2(kdim)
+    # [K, BV] float32 tiles of 16 KiB at K = 128; narrower when there are few requests, so the
+    # grid still covers the device.
+    bv = min(32, next_power_of_2(vdim))
+    if rows * vheads * cdiv(vdim, bv) < 2 * num_compute_units(q.device):
+        bv = min(16, bv)
+    _recurrent_update_kernel.on(q.device)[(rows, vheads, cdiv(vdim, bv))](
+        q, k, v, g, beta, state, state_indices, out, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), state.stride(0),
+        HV=vheads, GROUP=vheads // heads, K=kdim, V=vdim, BK=bk, BV=bv, L2NORM=use_qk_l2norm,
+        EPS=L2NORM_EPS, num_warps=4,
+    )
+    return out
+
+
 # --------------------------------------------------------------------------- public entry points
 
 
@@ -278,7 +580,8 @@ def chunk_gated_delta_rule(
     if not use_triton(q.device):
         return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, state, state_indices, cu_seqlens,
                                           has_initial_state, use_qk_l2norm, chunk_size)
-    raise NotImplementedError("Triton chunked gated delta rule: not written yet")
+    return _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens,
+                         has_initial_state, use_qk_l2norm, chunk_size)
 
 
 def fused_recurrent_gated_delta_rule_update(
@@ -297,4 +600,4 @@ def fused_recurrent_gated_delta_rule_update(
     if not use_triton(q.device):
         return fused_recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, scale, state,
                                                            state_indices, use_qk_l2norm)
-    raise NotImplementedError("Triton recurrent gated delta rule: not written yet")
+    return _recurrent_triton(q, k, v, g, beta, scale, state, state_indices, use_qk_l2norm)

@@ -15,15 +15,16 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (  # noqa: E402
 )
 
 from tandem.kernels.gated_delta_rule import (  # noqa: E402
+    chunk_gated_delta_rule,
     chunk_gated_delta_rule_ref,
+    fused_recurrent_gated_delta_rule_update,
     fused_recurrent_gated_delta_rule_update_ref,
     gated_delta_rule_naive,
 )
 
-CHUNK = {"ref": chunk_gated_delta_rule_ref}
-UPDATE = {"ref": fused_recurrent_gated_delta_rule_update_ref}
-chunk_gated_delta_rule = chunk_gated_delta_rule_ref
-fused_recurrent_gated_delta_rule_update = fused_recurrent_gated_delta_rule_update_ref
+CHUNK = {"triton": chunk_gated_delta_rule, "ref": chunk_gated_delta_rule_ref}
+UPDATE = {"triton": fused_recurrent_gated_delta_rule_update,
+          "ref": fused_recurrent_gated_delta_rule_update_ref}
 # Small shapes for the interpreter: K, V powers of two >= 16 (tl.dot), HV = 2 * H.
 H, HV, K, V = 2, 4, 16, 32
 SCALE = K**-0.5
