@@ -74,6 +74,7 @@ class LLMEngine:
         self.runner = runner or ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         plan = getattr(self.runner, "memory_plan", None)  # stand-in runners have one plain pool
+        # Models with state groups hit only where a state checkpoint exists (kv_cache.py).
         self.block_manager = (
             BlockManager.from_plan(plan, config.cache.enable_prefix_caching, config.cache.checkpoint_stride())
             if plan is not None

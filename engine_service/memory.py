@@ -107,6 +107,14 @@ class MemoryPlan:
         return max((g.num_slots for g in self.state_groups), default=0)
 
     @property
+    def scratch_state_slot(self) -> int | None:
+        """The state slot padded CUDA-graph rows write: past the request and checkpoint slots
+        (the last index of every state tensor); None without state groups."""
+        if not self.state_groups:
+            return None
+        return self.num_state_slots + self.num_checkpoint_slots
+
+    @property
     def num_checkpoint_slots(self) -> int:
         """State checkpoint slots (prefix caching of models with state; 0 without state groups)."""
         return max((g.num_checkpoint_slots for g in self.state_groups), default=0)

@@ -267,4 +267,4 @@ def host_inputs_from_rows(batch: StepBatch, block_size: int) -> HostInputs:
     group_tables = [batch.block_tables(g) for g in range(len(batch.rows[0].block_ids))]
     return assemble_host_inputs(token_chunks, batch.num_scheduled_tokens, seq_lens, group_tables, batch.sample,
                                 block_size, np.asarray(pending_dst, dtype=np.int64),
-                                np.asarray(pending_src, dtype=np.int64))
+                                np.asarray(pending_src, dtype=np.int64), [row.state_slot for row in batch.rows])

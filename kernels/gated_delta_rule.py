@@ -1,0 +1,603 @@
+"""Gated delta rule (the linear attention of Gated DeltaNet): chunked prefill and recurrent decode.
+
+Per value head, with a float32 state ``S [K, V]`` and after the optional L2 norm of q and k
+(``x * rsqrt(sum(x²) + 1e-6)`` in float32) and ``q *= scale``, every token does
+
+    S = exp(g_t) · S
+    S = S + k_t ⊗ (beta_t · (v_t − Sᵀ k_t))        (the delta rule: write only the correction)
+    o_t = Sᵀ q_t
+
+— exactly Hugging Face's ``torch_recurrent_gated_delta_rule`` (Qwen3-Next / Qwen3.5). With
+``HV = n · H`` value heads, q/k head ``h`` serves value heads ``h·n … h·n + n − 1`` (HF's
+``repeat_interleave``).
+
+Tokens of several requests are concatenated (request ``i`` owns rows
+``cu_seqlens[i]:cu_seqlens[i+1]``); each request's state lives in slot ``state_indices[i]`` of a
+float32 pool ``state [S, HV, K, V]``: read at the start (zeros when ``has_initial_state[i]`` is
+False, whatever the slot holds) and overwritten with the final state.
+
+Chunked form (prefill). Within a chunk of ``C`` tokens with cumulative log-decay ``γ`` (``γ_i =
+g_1 + … + g_i``), unrolling the recurrence gives a unit lower-triangular system (the "UT
+transform" of the DeltaNet papers; WY representation of the product of Householder-like updates):
+``M = I + strictlower(beta_i k_i·k_j e^{γ_i−γ_j})``, ``U = M⁻¹ (beta ⊙ V)``,
+``W = M⁻¹ (beta e^{γ} ⊙ K)``. With the chunk's entry state ``S``:
+``V' = U − W S``, ``O = (Q e^{γ}) S + (lower(Q Kᵀ ⊙ e^{γ_i−γ_j})) V'``,
+``S ← e^{γ_C} S + (K e^{γ_C−γ})ᵀ V'``. Chunks of different requests never mix; a request's last
+chunk may be short.
+
+Implementations: ``gated_delta_rule_naive`` (the per-token loop; the ground truth for tests),
+``chunk_gated_delta_rule_ref`` (the chunked form in PyTorch), ``fused_recurrent_..._ref``
+(vectorised one-token step), and the Triton kernels behind the public functions:
+
+* ``chunk_gated_delta_rule``: kernel 1, parallel over (chunk, value head), forms ``M`` in
+  registers, inverts it by forward substitution and writes ``W``, ``U`` and ``γ`` (float32
+  scratch); kernel 2, parallel over (request, value head, V block), walks the request's chunks
+  carrying ``S`` in registers and writes ``O`` and the final state. The chunk → request map is
+  built on the device (no host sync); the grid is sized from shapes only.
+* ``fused_recurrent_gated_delta_rule_update``: one launch for every request and value head; each
+  program owns a ``[K, BV]`` tile of one slot's state, reads it once and writes it once (float32).
+  No host sync, no value-dependent allocation: CUDA-graph capturable.
+
+Dispatch: Triton on CUDA, or on CPU when ``TRITON_INTERPRET=1`` is set; else the PyTorch twins
+(``*_ref``, same signatures).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels._utils import (
+    FLOAT_DTYPES,
+    cast,
+    cdiv,
+    check_contiguous_last_dim,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    dot,
+    dot_precision,
+    next_power_of_2,
+    num_compute_units,
+    tl,
+    triton_kernel,
+)
+from tandem.kernels.causal_conv1d import use_triton
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "L2NORM_EPS",
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_ref",
+    "fused_recurrent_gated_delta_rule_update",
+    "fused_recurrent_gated_delta_rule_update_ref",
+    "gated_delta_rule_naive",
+]
+
+DEFAULT_CHUNK_SIZE = 64
+L2NORM_EPS = 1e-6  # Hugging Face's (and flash-linear-attention's) l2norm epsilon
+
+
+# --------------------------------------------------------------------------- checks + helpers
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> tuple[int, int, int, int, int]:
+    """Returns (rows, H, HV, K, V)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_dtype(name, t, FLOAT_DTYPES)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, K], got {list(q.shape)}")
+    rows, heads, kdim = q.shape
+    check_shape("k", k, (rows, heads, kdim))
+    if v.dim() != 3 or v.shape[0] != rows:
+        raise ValueError(f"v must be [T={rows}, HV, V], got {list(v.shape)}")
+    vheads, vdim = v.shape[1], v.shape[2]
+    if vheads % heads:
+        raise ValueError(f"value heads ({vheads}) must be a multiple of q/k heads ({heads})")
+    check_shape("g", g, (rows, vheads))
+    check_shape("beta", beta, (rows, vheads))
+    check_dtype("state", state, (torch.float32,))
+    check_shape("state", state, (None, vheads, kdim, vdim))
+    check_dtype("state_indices", state_indices, (torch.int32, torch.int64))
+    if state_indices.dim() != 1:
+        raise ValueError(f"state_indices must be 1-D, got {list(state_indices.shape)}")
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices)
+    return rows, heads, vheads, kdim, vdim
+
+
+def _check_varlen(cu_seqlens: torch.Tensor, has_initial_state: torch.Tensor, batch: int) -> None:
+    check_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
+    check_shape("cu_seqlens", cu_seqlens, (batch + 1,))
+    check_dtype("has_initial_state", has_initial_state, (torch.bool,))
+    check_shape("has_initial_state", has_initial_state, (batch,))
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``l2norm`` (float32 in, float32 out)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def _prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, vheads: int, scale: float, use_qk_l2norm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 q, k expanded to the value heads, normalised and scaled as the recurrence uses."""
+    group = vheads // q.shape[1]
+    qf = q.float().repeat_interleave(group, dim=1)
+    kf = k.float().repeat_interleave(group, dim=1)
+    if use_qk_l2norm:
+        qf, kf = _l2norm(qf), _l2norm(kf)
+    return qf * scale, kf
+
+
+# --------------------------------------------------------------------------- PyTorch twins
+
+
+def gated_delta_rule_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """The recurrence token by token (float32; ``chunk_size`` is accepted and ignored, so the
+    signature matches :func:`chunk_gated_delta_rule`). The ground truth for the tests."""
+    rows, _, vheads, kdim, vdim = _check_inputs(q, k, v, g, beta, state, state_indices)
+    batch = state_indices.shape[0]
+    _check_varlen(cu_seqlens, has_initial_state, batch)
+    qf, kf = _prepare_qk(q, k, vheads, scale, use_qk_l2norm)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    out = torch.empty(rows, vheads, vdim, dtype=torch.float32, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for i, slot in enumerate(state_indices.tolist()):
+        if has_initial_state[i]:
+            s = state[slot].clone()
+        else:
+            s = torch.zeros(vheads, kdim, vdim, dtype=torch.float32, device=v.device)
+        for t in range(bounds[i], bounds[i + 1]):
+            s = s * gf[t].exp()[:, None, None]
+            predicted = torch.einsum("hkv,hk->hv", s, kf[t])
+            delta = (vf[t] - predicted) * bf[t][:, None]
+            s = s + kf[t][:, :, None] * delta[:, None, :]
+            out[t] = torch.einsum("hkv,hk->hv", s, qf[t])
+        state[slot] = s
+    return out.to(v.dtype)
+
+
+def chunk_gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """PyTorch twin of :func:`chunk_gated_delta_rule`: the chunked (UT-transform) form, one
+    request at a time (host syncs on ``cu_seqlens``)."""
+    rows, _, vheads, kdim, vdim = _check_inputs(q, k, v, g, beta, state, state_indices)
+    batch = state_indices.shape[0]
+    _check_varlen(cu_seqlens, has_initial_state, batch)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    qf, kf = _prepare_qk(q, k, vheads, scale, use_qk_l2norm)
+    # Head-major for batched matmuls: [HV, T, D].
+    qf, kf, vf = qf.transpose(0, 1), kf.transpose(0, 1), v.float().transpose(0, 1)
+    gf, bf = g.float().t(), beta.float().t()
+    out = torch.empty(vheads, rows, vdim, dtype=torch.float32, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for i, slot in enumerate(state_indices.tolist()):
+        if has_initial_state[i]:
+            s = state[slot].clone()
+        else:
+            s = torch.zeros(vheads, kdim, vdim, dtype=torch.float32, device=v.device)
+        for c0 in range(bounds[i], bounds[i + 1], chunk_size):
+            c1 = min(c0 + chunk_size, bounds[i + 1])
+            qc, kc, vc = qf[:, c0:c1], kf[:, c0:c1], vf[:, c0:c1]
+            bc = bf[:, c0:c1, None]
+            gamma = gf[:, c0:c1].cumsum(-1)  # [HV, L]
+            # decay[h, i, j] = exp(gamma_i - gamma_j) on and below the diagonal, 0 above.
+            diff = gamma[:, :, None] - gamma[:, None, :]
+            lower = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=v.device).tril()
+            decay = torch.where(lower, diff, float("-inf")).exp()
+            m = (bc * kc) @ kc.transpose(1, 2) * decay  # solve_triangular ignores its diagonal
+            u = torch.linalg.solve_triangular(m, bc * vc, upper=False, unitriangular=True)
+            w = torch.linalg.solve_triangular(m, bc * gamma.exp()[:, :, None] * kc, upper=False,
+                                              unitriangular=True)
+            v_new = u - w @ s
+            attn = (qc @ kc.transpose(1, 2)) * decay
+            out[:, c0:c1] = (qc * gamma.exp()[:, :, None]) @ s + attn @ v_new
+            last = gamma[:, -1:]
+            s = s * last.exp()[:, :, None] + ((last - gamma).exp()[:, :, None] * kc).transpose(1, 2) @ v_new
+        state[slot] = s
+    return out.transpose(0, 1).to(v.dtype)
+
+
+def fused_recurrent_gated_delta_rule_update_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """PyTorch twin of :func:`fused_recurrent_gated_delta_rule_update` (vectorised over requests
+    and heads; gathers and scatters the slots, no host syncs)."""
+    rows, _, vheads, _, _ = _check_inputs(q, k, v, g, beta, state, state_indices)
+    check_shape("state_indices", state_indices, (rows,))
+    qf, kf = _prepare_qk(q, k, vheads, scale, use_qk_l2norm)
+    idx = state_indices.long()
+    s = state[idx] * g.float().exp()[:, :, None, None]  # [B, HV, K, V]
+    predicted = torch.einsum("bhkv,bhk->bhv", s, kf)
+    delta = (v.float() - predicted) * beta.float()[:, :, None]
+    s = s + kf[:, :, :, None] * delta[:, :, None, :]
+    out = torch.einsum("bhkv,bhk->bhv", s, qf)
+    state.index_copy_(0, idx, s)
+    return out.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+
+@triton_kernel
+def _recurrent_update_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    idx_ptr,
+    o_ptr,
+    scale,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    stride_v_row,
+    stride_v_head,
+    stride_g_row,
+    stride_b_row,
+    stride_s_slot,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    """One (request, value head, V block): the [K, BV] state tile is read once, written once."""
+    row = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    kk = tl.arange(0, BK)
+    k_ok = kk < K
+    v_ok = vv < V
+    h = hv // GROUP
+    q = tl.load(q_ptr + row * stride_q_row + h * stride_q_head + kk, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * stride_k_row + h * stride_k_head + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + EPS)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + EPS)
+    q = q * scale
+    v = tl.load(v_ptr + row * stride_v_row + hv * stride_v_head + vv, mask=v_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g_row + hv).to(tl.float32)
+    beta = tl.load(beta_ptr + row * stride_b_row + hv).to(tl.float32)
+    slot = tl.load(idx_ptr + row).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_s_slot + hv * (K * V) + kk[:, None] * V + vv[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], 0)
+    tl.store(s_ptrs, s, mask=s_mask)
+    tl.store(o_ptr + (row * HV + hv) * V + vv, cast(o, o_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton_kernel
+def _chunk_prepare_kernel(
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    cu_ptr,
+    chunk_offsets_ptr,
+    w_ptr,
+    u_ptr,
+    gamma_ptr,
+    num_seqs,
+    stride_k_row,
+    stride_k_head,
+    stride_v_row,
+    stride_v_head,
+    stride_g_row,
+    stride_b_row,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BVF: tl.constexpr,
+    C: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    L2NORM: tl.constexpr,
+    EPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (chunk, value head): W = M⁻¹(beta·e^γ·K), U = M⁻¹(beta·V) and γ, into float32 scratch."""
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    # The chunk's request: the last i with chunk_offsets[i] <= chunk (requests without chunks
+    # share their offset with the next one, which wins).
+    lo = 0
+    hi = num_seqs - 1
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(chunk_offsets_ptr + mid) <= chunk
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    start = tl.load(cu_ptr + lo) + (chunk - tl.load(chunk_offsets_ptr + lo)) * C
+    end = tl.minimum(start + C, tl.load(cu_ptr + lo + 1))
+    rows = start + tl.arange(0, C)
+    r_ok = rows < end
+    rows64 = rows.to(tl.int64)
+    kk = tl.arange(0, BK)
+    vv = tl.arange(0, BVF)
+    h = hv // GROUP
+    k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
+                mask=r_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+    if L2NORM:
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
+    beta = tl.load(beta_ptr + rows64 * stride_b_row + hv, mask=r_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows64 * stride_g_row + hv, mask=r_ok, other=0.0).to(tl.float32)
+    gamma = tl.cumsum(g, 0)
+    ci = tl.arange(0, C)
+    strict = ci[:, None] > ci[None, :]
+    decay = tl.exp(tl.where(strict, gamma[:, None] - gamma[None, :], 0.0))
+    kb = k * beta[:, None]
+    a = tl.where(strict, dot(kb, tl.trans(k), PRECISION) * decay, 0.0)
+    # T = (I + A)⁻¹ by forward substitution: T[i] = e_i − Σ_{j<i} A[i, j] T[j].
+    t = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        a_i = tl.sum(tl.where(ci[:, None] == i, a, 0.0), 0)  # row i of A, indexed by column
+        row_i = tl.where(ci == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, 0)
+        t = tl.where(ci[:, None] == i, row_i[None, :], t)
+    w = dot(t, kb * tl.exp(gamma)[:, None], PRECISION)
+    v = tl.load(v_ptr + rows64[:, None] * stride_v_row + hv * stride_v_head + vv[None, :],
+                mask=r_ok[:, None] & (vv < V)[None, :], other=0.0).to(tl.float32)
+    u = dot(t, v * beta[:, None], PRECISION)
+    out_rows = rows64[:, None] * HV + hv
+    tl.store(w_ptr + out_rows * K + kk[None, :], w, mask=r_ok[:, None] & (kk < K)[None, :])
+    tl.store(u_ptr + out_rows * V + vv[None, :], u, mask=r_ok[:, None] & (vv < V)[None, :])
+    tl.store(gamma_ptr + rows64 * HV + hv, gamma, mask=r_ok)
+
+
+@triton_kernel
+def _chunk_scan_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    u_ptr,
+    gamma_ptr,
+    state_ptr,
+    idx_ptr,
+    cu_ptr,
+    init_ptr,
+    o_ptr,
+    scale,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    stride_s_slot,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    L2NORM: tl.constexpr,
+    EPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (request, value head, V block): walks the request's chunks carrying S [K, BV] in
+    registers; writes the outputs and the final state."""
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    kk = tl.arange(0, BK)
+    k_ok = kk < K
+    v_ok = vv < V
+    h = hv // GROUP
+    start = tl.load(cu_ptr + seq)
+    end = tl.load(cu_ptr + seq + 1)
+    slot = tl.load(idx_ptr + seq).to(tl.int64)
+    has_init = tl.load(init_ptr + seq) != 0
+    s_ptrs = state_ptr + slot * stride_s_slot + hv * (K * V) + kk[:, None] * V + vv[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    s = tl.where(has_init, s, 0.0)  # a fresh slot's contents (even NaN) never enter
+    ci = tl.arange(0, C)
+    causal = ci[:, None] >= ci[None, :]
+    for c0 in range(start, end, C):
+        rows = c0 + ci
+        r_ok = rows < end
+        rows64 = rows.to(tl.int64)
+        qk_mask = r_ok[:, None] & k_ok[None, :]
+        q = tl.load(q_ptr + rows64[:, None] * stride_q_row + h * stride_q_head + kk[None, :],
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
+                    mask=qk_mask, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, 1) + EPS)[:, None]
+            k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
+        q = q * scale
+        out_rows = rows64[:, None] * HV + hv
+        gamma = tl.load(gamma_ptr + rows64 * HV + hv, mask=r_ok, other=0.0)
+        last = tl.minimum(c0 + C, end) - 1
+        gamma_last = tl.load(gamma_ptr + last.to(tl.int64) * HV + hv)
+        w = tl.load(w_ptr + out_rows * K + kk[None, :], mask=qk_mask, other=0.0)
+        u = tl.load(u_ptr + out_rows * V + vv[None, :], mask=r_ok[:, None] & v_ok[None, :], other=0.0)
+        v_new = u - dot(w, s, PRECISION)
+        decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0))
+        attn = tl.where(causal, dot(q, tl.trans(k), PRECISION) * decay, 0.0)
+        o = dot(q * tl.exp(gamma)[:, None], s, PRECISION) + dot(attn, v_new, PRECISION)
+        tl.store(o_ptr + out_rows * V + vv[None, :], cast(o, o_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & v_ok[None, :])
+        k_decayed = k * tl.exp(gamma_last - gamma)[:, None]
+        s = s * tl.exp(gamma_last) + dot(tl.trans(k_decayed), v_new, PRECISION)
+    tl.store(s_ptrs, s, mask=s_mask)
+
+
+def _check_state_layout(state: torch.Tensor) -> None:
+    _, vheads, kdim, vdim = state.shape
+    if state.stride()[1:] != (kdim * vdim, vdim, 1):
+        raise ValueError("each slot of state must be contiguous ([HV, K, V] row-major)")
+
+
+def _check_rows(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        check_contiguous_last_dim(name, t)
+
+
+def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has_initial_state,
+                  use_qk_l2norm, chunk_size) -> torch.Tensor:
+    rows, heads, vheads, kdim, vdim = _check_inputs(q, k, v, g, beta, state, state_indices)
+    batch = state_indices.shape[0]
+    _check_varlen(cu_seqlens, has_initial_state, batch)
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64 for the Triton kernel, got {chunk_size}")
+    _check_state_layout(state)
+    _check_rows(q=q, k=k, v=v)
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta must be contiguous in their head dimension")
+    device = q.device
+    out = torch.empty(rows, vheads, vdim, dtype=v.dtype, device=device)
+    if batch == 0:
+        return out
+    # The chunk -> request map, on the device: no host sync, grid sized from shapes only.
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+    chunk_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    torch.cumsum((lengths + chunk_size - 1) // chunk_size, 0, out=chunk_offsets[1:])
+    w = torch.empty(rows, vheads, kdim, dtype=torch.float32, device=device)
+    u = torch.empty(rows, vheads, vdim, dtype=torch.float32, device=device)
+    gamma = torch.empty(rows, vheads, dtype=torch.float32, device=device)
+    bk = next_power_of_2(kdim)
+    precision = dot_precision(v.dtype)
+    group = vheads // heads
+    search = max(1, batch.bit_length())
+    if rows:
+        max_chunks = rows // chunk_size + batch
+        _chunk_prepare_kernel.on(device)[(max_chunks, vheads)](
+            k, v, g, beta, cu_seqlens, chunk_offsets, w, u, gamma, batch,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BVF=next_power_of_2(vdim), C=chunk_size,
+            SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision,
+            num_warps=8 if chunk_size * max(bk, vdim) >= 8192 else 4,
+        )
+    bv = min(32, next_power_of_2(vdim))
+    _chunk_scan_kernel.on(device)[(batch, vheads, cdiv(vdim, bv))](
+        q, k, w, u, gamma, state, state_indices, cu_seqlens, has_initial_state.view(torch.uint8), out,
+        scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), state.stride(0),
+        HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=bv, C=chunk_size, L2NORM=use_qk_l2norm,
+        EPS=L2NORM_EPS, PRECISION=precision, num_warps=4 if chunk_size <= 32 else 8,
+    )
+    return out
+
+
+def _recurrent_triton(q, k, v, g, beta, scale, state, state_indices, use_qk_l2norm) -> torch.Tensor:
+    rows, heads, vheads, kdim, vdim = _check_inputs(q, k, v, g, beta, state, state_indices)
+    check_shape("state_indices", state_indices, (rows,))
+    _check_state_layout(state)
+    _check_rows(q=q, k=k, v=v)
+    if g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta must be contiguous in their head dimension")
+    out = torch.empty(rows, vheads, vdim, dtype=v.dtype, device=q.device)
+    if rows == 0:
+        return out
+    bk = next_power_of_2(kdim)
+    # [K, BV] float32 tiles of 16 KiB at K = 128; narrower when there are few requests, so the
+    # grid still covers the device.
+    bv = min(32, next_power_of_2(vdim))
+    if rows * vheads * cdiv(vdim, bv) < 2 * num_compute_units(q.device):
+        bv = min(16, bv)
+    _recurrent_update_kernel.on(q.device)[(rows, vheads, cdiv(vdim, bv))](
+        q, k, v, g, beta, state, state_indices, out, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), state.stride(0),
+        HV=vheads, GROUP=vheads // heads, K=kdim, V=vdim, BK=bk, BV=bv, L2NORM=use_qk_l2norm,
+        EPS=L2NORM_EPS, num_warps=4,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- public entry points
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Prefill: the gated delta rule over the concatenated requests, chunked. ``q, k [T, H, K]``,
+    ``v [T, HV, V]``, ``g, beta [T, HV]``; ``state [S, HV, K, V]`` float32 pool read from and
+    written back to ``state_indices``. Returns ``o [T, HV, V]`` in ``v``'s dtype."""
+    if not use_triton(q.device):
+        return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, state, state_indices, cu_seqlens,
+                                          has_initial_state, use_qk_l2norm, chunk_size)
+    return _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens,
+                         has_initial_state, use_qk_l2norm, chunk_size)
+
+
+def fused_recurrent_gated_delta_rule_update(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Decode: one token per request (``q, k [B, H, K]``, ``v [B, HV, V]``, ``g, beta [B, HV]``),
+    state slot ``state_indices[b]`` updated in place. Returns ``o [B, HV, V]`` in ``v``'s dtype."""
+    if not use_triton(q.device):
+        return fused_recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, scale, state,
+                                                           state_indices, use_qk_l2norm)
+    return _recurrent_triton(q, k, v, g, beta, scale, state, state_indices, use_qk_l2norm)
