@@ -531,3 +531,177 @@ def test_metrics_expose_kv_hits_and_checkpoints() -> None:
     assert r.get_sample_value("tandem:prefix_cache_hits_total", labels) == 512
     assert r.get_sample_value("tandem:state_checkpoints_used", labels) == 3
     assert r.get_sample_value("tandem:state_checkpoint_saves_total", labels) == 7
+
+
+# --------------------------------------------------------------------------- end to end (tiny hybrid models)
+
+STEPS = 32
+LOGPROB_ATOL = 2e-4
+HYBRID_FAMILIES = ["tiny-qwen3.5", "tiny-qwen3-next"]
+
+
+def _needs_moe(name: str) -> None:
+    """Qwen3-Next's sparse MoE block comes with helper moe's branch (merged by the integrator)."""
+    if name == "tiny-qwen3-next":
+        pytest.importorskip("tandem.engine_service.layers.moe", reason="Qwen3-Next needs the MoE block (branch moe)")
+
+
+def make_hf_hybrid(tmp_path, dummy_name: str):
+    """A seeded transformers hybrid model of the dummy config, every parameter randomised so the
+    recurrent state matters over long prefixes (slow decays), saved with save_pretrained."""
+    import transformers
+
+    from tandem.engine_service.dummy_configs import get_dummy_config
+
+    classes = {
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+        "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+    }
+    cfg = get_dummy_config(dummy_name)
+    config_cls, model_cls = classes[cfg["model_type"]]
+    torch.manual_seed(4321)
+    hf = model_cls(config_cls(**cfg)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "norm" in name:  # zero-centred scales
+                p.normal_(0.0, 0.2)
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            elif "conv1d" in name:
+                p.normal_(0.0, 0.4)
+            else:
+                p.normal_(0.0, 0.1)
+    path = tmp_path / dummy_name
+    hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.fixture
+def torch_twins(monkeypatch):
+    """The GDN kernels' PyTorch twins even under TRITON_INTERPRET=1 (conftest sets it): the
+    interpreter makes an engine step seconds long, and what is tested here is the cache, not the
+    kernels (tests/kernels/ compare them with their twins)."""
+    import importlib
+
+    for name in ("causal_conv1d", "gated_delta_rule", "gated_norm"):
+        module = importlib.import_module(f"tandem.kernels.{name}")
+        monkeypatch.setattr(module, "use_triton", lambda device: device.type == "cuda")
+
+
+@pytest.fixture(scope="module", params=HYBRID_FAMILIES)
+def hybrid_checkpoint(request, tmp_path_factory):
+    _needs_moe(request.param)
+    hf, path = make_hf_hybrid(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, hf, path
+
+
+_HF_GREEDY: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+
+
+def hf_greedy(hf, tokens: list[int], steps: int = STEPS) -> list[int]:
+    """transformers' greedy continuation by full-sequence forwards (memoised per model and prompt)."""
+    key = (id(hf), tuple(tokens))
+    if key not in _HF_GREEDY:
+        ids = list(tokens)
+        with torch.no_grad():
+            for _ in range(steps):
+                ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        _HF_GREEDY[key] = ids[len(tokens):]
+    return _HF_GREEDY[key]
+
+
+def hybrid_engine(path, prefix_caching: bool, budget: int = 64, overlap: str = "off", num_blocks: int = 128):
+    from tandem.engine_service.config import EngineConfig, ModelConfig
+    from tandem.engine_service.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(
+        ModelConfig(model=str(path), attention_backend="torch", max_model_len=256),
+        CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+                    state_checkpoint_stride=2 * BS, state_checkpoint_memory_fraction=0.5),
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_prefill_tokens_per_seq=8,
+                        overlap_scheduling=overlap),
+    ))
+
+
+def generate(engine, rid: str, tokens: list[int]) -> tuple[list[int], list[float], int]:
+    """Greedy tokens, their logprobs and the prompt tokens served from the cache."""
+    engine.add_request(rid, tokens, SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, logprobs=0))
+    out, lps, cached = [], [], 0
+    while engine.has_work():
+        for o in engine.step():
+            if o.request_id == rid:
+                out.extend(o.new_token_ids)
+                lps.extend(lp.logprob for lp in o.new_logprobs)
+                cached = o.num_cached_prompt_tokens
+    return out, lps, cached
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_second_request_hits_the_shared_prefix_and_matches_no_caching(hybrid_checkpoint, overlap: str,
+                                                                      torch_twins) -> None:
+    """Request B shares A's first 27 tokens: with caching it resumes at the checkpoint at 24
+    (K/V of 6 blocks + the state there) and gives the tokens and logprobs it gives without
+    caching, and transformers' greedy tokens."""
+    _, hf, path = hybrid_checkpoint
+    shared = _prompt(27, seed=7)
+    a_prompt, b_prompt = shared + _prompt(6, seed=8), shared + _prompt(5, seed=9)
+    cached = hybrid_engine(path, True, overlap=overlap)
+    bm = cached.block_manager
+    assert bm.checkpoints is not None and bm.checkpoints.num_slots >= 4
+    a_tokens, _, a_hit = generate(cached, "a", a_prompt)
+    assert a_hit == 0 and bm.checkpoints.num_registered > 0
+    restored = bm.checkpoints.num_restored
+    b_tokens, b_lps, b_hit = generate(cached, "b", b_prompt)
+    assert b_hit == 24 and bm.checkpoints.num_restored == restored + 1
+    assert bm.prefix_kv_hits >= bm.prefix_hits
+    plain = hybrid_engine(path, False, overlap=overlap)
+    ref_tokens, ref_lps, ref_hit = generate(plain, "b", b_prompt)
+    assert ref_hit == 0 and plain.block_manager.checkpoints is None
+    assert b_tokens == ref_tokens == hf_greedy(hf, b_prompt)
+    assert a_tokens == hf_greedy(hf, a_prompt)
+    torch.testing.assert_close(torch.tensor(b_lps), torch.tensor(ref_lps), atol=LOGPROB_ATOL, rtol=0)
+    for engine in (cached, plain):
+        assert all(p.num_free == p.num_blocks for p in engine.block_manager.pools)
+        assert engine.block_manager.state_slots.num_used == 0
+    assert bm.checkpoints.num_pending == 0
+
+
+def test_hits_with_concurrent_requests_and_preemption_match_no_caching(hybrid_checkpoint, torch_twins) -> None:
+    """Several requests sharing prefixes, admitted together and later, in a pool small enough to
+    preempt: every request's tokens equal the no-caching engine's, with hits restored."""
+    _, hf, path = hybrid_checkpoint
+    base = _prompt(40, seed=11)
+    prompts = [base[:35] + _prompt(3, 20 + i) for i in range(3)] + [base[:17] + _prompt(4, 30), _prompt(19, 31)]
+
+    def run(prefix_caching: bool):
+        # 24 blocks of 4 tokens cannot hold four running requests of ~45 tokens each.
+        engine = hybrid_engine(path, prefix_caching, budget=12, num_blocks=24)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        out = {f"r{i}": [] for i in range(len(prompts))}
+        engine.add_request("r0", prompts[0], params)
+        for _ in range(6):  # r0 computes some of the shared prefix before the others arrive
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+        for i, p in enumerate(prompts[1:], 1):
+            engine.add_request(f"r{i}", p, params)
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+        bm = engine.block_manager
+        assert all(p.num_free == p.num_blocks for p in bm.pools) and bm.state_slots.num_used == 0
+        return out, engine
+
+    cached_out, cached = run(True)
+    plain_out, plain = run(False)
+    assert cached.block_manager.prefix_hits > 0 and cached.block_manager.checkpoints.num_restored > 0
+    assert cached.scheduler.num_preemptions > 0 and plain.scheduler.num_preemptions > 0
+    assert cached_out == plain_out
+    assert cached.block_manager.checkpoints.num_pending == 0
