@@ -353,6 +353,18 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def _all_full_attention(name: str) -> dict[str, Any]:
+    """A hybrid config with every layer full (gated) attention: the same depth and shapes without
+    recurrent state (the full-attention side of `tandem bench prefix`)."""
+    cfg = copy.deepcopy(DUMMY_CONFIGS[name])
+    cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    return cfg
+
+
+for _hybrid in ("tiny-qwen3.5", "qwen3.5-9b"):
+    DUMMY_CONFIGS[f"{_hybrid}-full-attention"] = _all_full_attention(_hybrid)
+
+
 def dummy_config_names() -> list[str]:
     return sorted(DUMMY_CONFIGS)
 

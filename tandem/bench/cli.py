@@ -1,4 +1,4 @@
-"""`tandem bench roofline|throughput|serve|overhead|transport|soak|report`: argument parsing and the run wrapper.
+"""`tandem bench roofline|throughput|serve|overhead|transport|soak|prefix|report`: argument parsing and the run wrapper.
 
 Each measuring subcommand writes `<out>/<kind>-<model>-<timestamp>.json` (default out:
 `bench/results/`), even when parts of it failed (they are listed under `errors`), and prints
@@ -199,6 +199,25 @@ def add_bench_parser(sub: Any) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer for a started server (default: the model's)")
     soak.set_defaults(fn=cmd_bench, bench_fn=_soak)
 
+    pre = bsub.add_parser("prefix", help="prefix caching of a hybrid model: hit rate vs a full-attention model "
+                                         "of the same depth, and its cost on a no-reuse workload")
+    _common(pre, "dummy:qwen3.5-9b", 1200.0)
+    g = pre.add_argument_group("prefix")
+    g.add_argument("--compare-model", default=None,
+                   help="full-attention model for the hit-rate comparison (default: dummy:<name>-full-attention)")
+    g.add_argument("--num-prefixes", type=_ints_one, default=8)
+    g.add_argument("--prefix-len", type=_ints_one, default=2000)
+    g.add_argument("--suffix-len", type=_ints_one, default=100)
+    g.add_argument("--requests-per-prefix", type=_ints_one, default=8)
+    g.add_argument("--prefix-output-len", type=_ints_one, default=16)
+    g.add_argument("--concurrency", type=_ints_one, default=16, help="shared-prefix requests in flight")
+    g.add_argument("--noreuse-requests", type=_ints_one, default=256)
+    g.add_argument("--noreuse-prompt-len", type=_ints_one, default=1000)
+    g.add_argument("--noreuse-output-len", type=_ints_one, default=128)
+    g.add_argument("--repeats", type=_ints_one, default=2, help="no-reuse runs per setting, alternating")
+    g.add_argument("--warmup-requests", type=int, default=8)
+    pre.set_defaults(fn=cmd_bench, bench_fn=_prefix)
+
     ovh = bsub.add_parser("overhead", help="host (CPU) time per engine step at N running sequences, model-free")
     _common(ovh, "host-only", 300.0)
     g = ovh.add_argument_group("overhead")
@@ -348,6 +367,19 @@ def _soak(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any)
     if not record.results["soak"]["passed"]:
         record.add_error("soak", RuntimeError("soak failed: unexpected outcomes, per-call violations or leaks"))
     return soak.short_table
+
+
+def _prefix(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import prefix
+
+    options = prefix.PrefixOptions(
+        compare_model=args.compare_model, num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len, requests_per_prefix=args.requests_per_prefix, output_len=args.prefix_output_len,
+        concurrency=args.concurrency, noreuse_requests=args.noreuse_requests,
+        noreuse_prompt_len=args.noreuse_prompt_len, noreuse_output_len=args.noreuse_output_len,
+        repeats=args.repeats, warmup_requests=args.warmup_requests)
+    prefix.run_prefix(record, engine_config_from_args(args), options, deadline)
+    return prefix.short_table
 
 
 def _transport(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:

@@ -705,3 +705,50 @@ def test_hits_with_concurrent_requests_and_preemption_match_no_caching(hybrid_ch
     assert cached.scheduler.num_preemptions > 0 and plain.scheduler.num_preemptions > 0
     assert cached_out == plain_out
     assert cached.block_manager.checkpoints.num_pending == 0
+
+
+# --------------------------------------------------------------------------- tandem bench prefix
+
+
+def test_hit_ceilings_round_to_blocks_and_checkpoints() -> None:
+    from tandem.bench.prefix import hit_ceilings
+    from tandem.bench.workloads import BenchRequest
+
+    p = list(range(30))
+    reqs = [BenchRequest(p + [100 + i], 1) for i in range(3)]  # 31 tokens each; two repeat the prefix
+    c = hit_ceilings(reqs, 30, block_size=4, stride=16)
+    assert c == {"block": 2 * 28 / 93, "checkpoint": 2 * 16 / 93}
+
+
+def test_bench_prefix_runs_on_cpu_and_compares_with_full_attention(torch_twins, tmp_path) -> None:
+    from tandem.bench.prefix import PrefixOptions, default_compare_model, run_prefix, short_table
+    from tandem.bench.results import Deadline, new_record
+    from tandem.engine_service.config import EngineConfig, ModelConfig
+
+    assert default_compare_model("dummy:tiny-qwen3.5") == "dummy:tiny-qwen3.5-full-attention"
+    assert default_compare_model("dummy:tiny-llama") is None
+    config = EngineConfig(
+        ModelConfig(model="dummy:tiny-qwen3.5", attention_backend="torch", max_model_len=256, device="cpu"),
+        CacheConfig(block_size=BS, cpu_kv_cache_bytes=1 << 24, state_checkpoint_stride=4 * BS),
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, overlap_scheduling="off"),
+    )
+    opts = PrefixOptions(num_prefixes=2, prefix_len=36, suffix_len=4, requests_per_prefix=3, output_len=2,
+                         concurrency=2, noreuse_requests=3, noreuse_prompt_len=20, noreuse_output_len=2, repeats=1,
+                         warmup_requests=1)
+    record = new_record("prefix", config.model.model, {})
+    run_prefix(record, config, opts, Deadline(600))
+    assert record.errors == []
+    res = record.results["prefix"]
+    hybrid, full = res["hit_rate"]["model"], res["hit_rate"]["full_attention"]
+    assert hybrid["state_groups"] and not full["state_groups"]
+    assert full["architecture"] == hybrid["architecture"]  # same model family, every layer attention
+    # The hybrid model hits, only at checkpoints; the full-attention one at blocks.
+    assert 0 < hybrid["hit_rate"] <= hybrid["kv_hit_rate"] and hybrid["checkpoint_saves"] > 0
+    assert hybrid["hit_tokens"] % (4 * BS) == 0 and full["hit_tokens"] % BS == 0
+    assert hybrid["hit_rate"] <= hybrid["ceiling"]["checkpoint"] and full["hit_rate"] <= full["ceiling"]["block"]
+    assert full["hit_rate"] >= hybrid["hit_rate"]
+    noreuse = res["noreuse"]
+    assert len(noreuse["runs"]["on"]) == len(noreuse["runs"]["off"]) == 1
+    assert all(r["prefix_cache_hits"] == 0 for r in noreuse["runs"]["on"] + noreuse["runs"]["off"])
+    assert set(noreuse["cost"]) == {"output_tokens_per_s", "total_tokens_per_s"}
+    assert len(short_table(record.results)) == 5
