@@ -224,9 +224,9 @@ def plan_cache(
                 f"reserved {reserved_bytes} B, {sum(per_block.values())} B per block across groups; "
                 f"lower max_num_seqs or raise the memory budget"
             )
-    if per_checkpoint and fraction and not num_checkpoints:
-        log.warning("no memory for state checkpoints: this model gets no prefix-cache hits",
-                    bytes_per_checkpoint=per_checkpoint, fraction=fraction)
+    if per_checkpoint and cache_config.enable_prefix_caching and not num_checkpoints:
+        log.warning("no state checkpoints (state_checkpoint_memory_fraction 0, or too little memory): this "
+                    "model gets no prefix-cache hits", bytes_per_checkpoint=per_checkpoint, fraction=fraction)
     plans: list[GroupPlan] = []
     state_by_name = {s.name: replace(s, num_checkpoint_slots=num_checkpoints) for s in state}
     for g in layout.groups:
