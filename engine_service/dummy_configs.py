@@ -361,7 +361,7 @@ def _all_full_attention(name: str) -> dict[str, Any]:
     return cfg
 
 
-for _hybrid in ("tiny-qwen3.5", "qwen3.5-9b"):
+for _hybrid in ("tiny-qwen3.5", "qwen3.5-9b", "qwen3-next-80b-a3b"):
     DUMMY_CONFIGS[f"{_hybrid}-full-attention"] = _all_full_attention(_hybrid)
 
 
