@@ -243,6 +243,22 @@ def transport_rows(records: list[Record]) -> list[list[Any]]:
     return rows
 
 
+def prefix_rows(records: list[Record]) -> list[list[Any]]:
+    """`tandem bench prefix`: hit rates (the model and its full-attention twin) and the no-reuse cost."""
+    rows = []
+    for path, data in latest_per_key(records, "prefix"):
+        env, res = data.get("env", {}), (data.get("results") or {}).get("prefix") or {}
+        cost = (res.get("noreuse") or {}).get("cost") or {}
+        for label, r in (res.get("hit_rate") or {}).items():
+            c = r.get("ceiling") or {}
+            rows.append([r.get("model"), device_cell(env), label, r.get("checkpoint_stride") or "—",
+                         _num(r.get("hit_rate"), ".3f"), _num(r.get("kv_hit_rate"), ".3f"),
+                         f"{_num(c.get('block'), '.3f')} / {_num(c.get('checkpoint'), '.3f')}",
+                         _num(100 * cost["output_tokens_per_s"], ".2f", " %") if label == "model" and cost else "—",
+                         commit_cell(env), f"`{path.name}`"])
+    return rows
+
+
 def _headline(data: dict[str, Any]) -> str:
     res = data.get("results", {})
     kind = data.get("kind")
@@ -259,6 +275,13 @@ def _headline(data: dict[str, Any]) -> str:
         return f"{soak.get('calls', 0)} calls, {'pass' if soak.get('passed') else 'FAIL'}"
     if kind == "transport":
         return f"{len(res.get('points', []))} transport points"
+    if kind == "prefix":
+        hits = (res.get("prefix") or {}).get("hit_rate") or {}
+        cost = ((res.get("prefix") or {}).get("noreuse") or {}).get("cost") or {}
+        parts = [f"{label} hit rate {_num(r.get('hit_rate'), '.3f')}" for label, r in hits.items()]
+        if cost:
+            parts.append(f"no-reuse cost {_num(100 * cost.get('output_tokens_per_s', 0), '.2f', ' %')}")
+        return ", ".join(parts) or "no figure"
     levels = [lv for lv in res.get("levels", []) if lv.get("served", {}).get("output_tokens_per_s")]
     return f"{len(levels)} levels"
 
@@ -415,6 +438,16 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
                   "and the streaming rate.", ""]
         lines += _table(["host", "shape", "transport", "bytes", "encode µs", "send µs (streaming)",
                          "round trip µs p50 / p99", "messages/s", "commit", "result"], transport)
+    prefix = prefix_rows(records)
+    if prefix:  # `tandem bench prefix`: hybrid models' prefix caching (state checkpoints)
+        lines += ["## Prefix caching of hybrid models", "",
+                  "Shared-prefix workload: hit rate (prompt tokens served from the cache) of the hybrid model "
+                  "and of its full-attention twin (same depth, every layer attention), the K/V-only hit rate, "
+                  "and the ceilings at block / checkpoint granularity. No-reuse workload: 1 − throughput with "
+                  "prefix caching on ÷ off (output tok/s; goal ≤ 3 %). Method: docs/architecture.md, "
+                  "\"Prefix caching with state checkpoints\".", ""]
+        lines += _table(["model", "device", "side", "checkpoint stride", "hit rate", "K/V-only hit rate",
+                         "ceiling block / checkpoint", "no-reuse cost", "commit", "result"], prefix)
     lines += ["## Host overhead per engine step", "",
               "Host (CPU) time of `LLMEngine.step()` with a model-free runner (`tandem bench overhead`): "
               "scheduling, host input preparation, token readback, stop checks and bookkeeping; the "

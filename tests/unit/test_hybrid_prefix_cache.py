@@ -752,3 +752,11 @@ def test_bench_prefix_runs_on_cpu_and_compares_with_full_attention(torch_twins, 
     assert all(r["prefix_cache_hits"] == 0 for r in noreuse["runs"]["on"] + noreuse["runs"]["off"])
     assert set(noreuse["cost"]) == {"output_tokens_per_s", "total_tokens_per_s"}
     assert len(short_table(record.results)) == 5
+    # The report's section (docs/benchmarks.md) reads the written JSON.
+    from tandem.bench.report import build_report
+    from tandem.bench.results import write_record
+
+    write_record(record, tmp_path / "results")
+    build_report(tmp_path / "results", tmp_path / "benchmarks.md", tmp_path / "plot.png")
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "## Prefix caching of hybrid models" in text and "dummy:tiny-qwen3.5-full-attention" in text
