@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine_service.cache_spec import CacheLayout, attention_layout
-from tandem.engine_service.layers.activation import silu_and_mul
 from tandem.engine_service.layers.attention import (
     Attention,
     AttentionBackend,
@@ -40,9 +39,9 @@ from tandem.engine_service.layers.attention import (
 from tandem.engine_service.layers.embedding import VocabEmbedding
 from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.engine_service.layers.merged_linear import merge_column_linears
+from tandem.engine_service.layers.mlp import GatedMLP
 from tandem.engine_service.layers.norm import RMSNorm
 from tandem.engine_service.layers.rotary import RopeConfig, RotaryEmbedding, RotaryInputs, apply_rotary
-from tandem.kernels import activation as activation_kernels
 
 
 @dataclass(frozen=True)
@@ -94,25 +93,11 @@ def layer_windows_from_hf(family: str, hf: Mapping[str, Any]) -> tuple[int | Non
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+class LlamaMLP(GatedMLP):
+    """SwiGLU feed-forward of a dense decoder layer, sized from the config."""
 
     def __init__(self, cfg: DecoderConfig, fused: bool = False) -> None:
-        super().__init__()
-        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.fused = fused
-        if fused:  # gate rows first: the layout silu_and_mul's kernel reads
-            weight, bias = merge_column_linears([self.gate_proj, self.up_proj])
-            self.register_buffer("gate_up_weight", weight, persistent=False)
-            self.register_buffer("gate_up_bias", bias, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-            return self.down_proj(activation_kernels.silu_and_mul(gate_up))
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, fused=fused)
 
 
 class LlamaAttention(nn.Module):
