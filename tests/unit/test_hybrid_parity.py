@@ -31,7 +31,7 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 96
 NUM_SLOTS = 6
 ATOL = 2e-4
-FAMILIES = ["tiny-qwen3.5"]
+FAMILIES = ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
 
 
 def make_hf_hybrid(tmp_path: Path, dummy_name: str) -> tuple[torch.nn.Module, Path]:
