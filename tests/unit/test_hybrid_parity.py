@@ -75,6 +75,15 @@ def prompt(n: int, seed: int, vocab: int = 320) -> list[int]:
 PROMPTS = [prompt(n, seed=40 + i) for i, n in enumerate((21, 9, 30, 14))]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one intra-op thread is faster than several fighting over a shared box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
     hf, path = make_hf_hybrid(tmp_path_factory.mktemp(request.param), request.param)
