@@ -72,11 +72,11 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         plan = getattr(self.runner, "memory_plan", None)  # stand-in runners have one plain pool
         prefix_caching = config.cache.enable_prefix_caching
-        if prefix_caching and plan is not None and plan.state_groups:
-            # A prefix hit would reuse K/V but not the recurrent state at that position; until
-            # state checkpoints exist, hybrid models recompute every prompt.
-            log.info("prefix caching off: the model keeps per-request state (state groups)",
-                     state_groups=[g.name for g in plan.state_groups])
+        if prefix_caching and not getattr(self.runner, "supports_prefix_caching", True):
+            # A hybrid model's prefix hit would reuse K/V but not the recurrent state at that
+            # position; until state checkpoints exist, such models recompute every prompt.
+            log.info("prefix caching off: the model's per-request state cannot be restored at a prefix hit",
+                     architecture=getattr(self.runner, "architecture", None))
             prefix_caching = False
         self.block_manager = (
             BlockManager.from_plan(plan, prefix_caching) if plan is not None

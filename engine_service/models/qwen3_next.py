@@ -220,6 +220,9 @@ class Qwen3NextForCausalLM(nn.Module):
 
     family: ClassVar[str] = "qwen3_next"
     split_projections: ClassVar[bool] = False  # Qwen3.5's in_proj_qkv / z / b / a
+    # A prefix hit reuses K/V but the GDN state at the hit position is not kept (state
+    # checkpoints: issue #11's statecache work); the engine turns prefix caching off, loudly.
+    supports_prefix_caching: ClassVar[bool] = False
 
     def __init__(self, cfg: HybridConfig, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
