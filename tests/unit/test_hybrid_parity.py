@@ -210,9 +210,9 @@ def test_fresh_request_ignores_its_slots_previous_state(checkpoint) -> None:
 
 
 def make_engine(path: Path, num_blocks: int = 128, budget: int = 256, max_num_seqs: int = 4,
-                overlap: str = "off") -> LLMEngine:
+                overlap: str = "off", backend: str = "torch") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        ModelConfig(model=str(path), attention_backend="torch", max_model_len=256),
+        ModelConfig(model=str(path), attention_backend=backend, max_model_len=256),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, overlap_scheduling=overlap),
     ))
@@ -258,6 +258,23 @@ def test_engine_preempted_requests_rebuild_state(checkpoint) -> None:
     ours = run(engine, prompts)
     assert engine.scheduler.num_preemptions > 0
     assert ours == [hf_greedy(hf, p)[0] for p in prompts]
+
+
+def test_engine_abort_returns_the_slot_and_its_next_owner_starts_clean(checkpoint) -> None:
+    """A request aborted mid-decode gives its state slot back (its state still in the pool); the
+    request admitted into that slot next computes as if the slot were new."""
+    _, hf, path = checkpoint
+    engine = make_engine(path, max_num_seqs=1)  # one slot: the second request must reuse it
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    engine.add_request("doomed", PROMPTS[2], params)
+    for _ in range(5):
+        engine.step()
+    slots = engine.block_manager.state_slots
+    assert slots is not None and slots.num_used == 1
+    engine.abort("doomed")
+    assert slots.num_used == 0 and engine.block_manager.num_used_blocks == 0
+    (ours,) = run(engine, [PROMPTS[3]])
+    assert ours == hf_greedy(hf, PROMPTS[3])[0]
 
 
 # -- released-checkpoint layout and the CUDA-graph buffers ---------------------------------------
@@ -363,3 +380,22 @@ def test_decode_through_graph_buffers_with_state_slots(checkpoint) -> None:
     assert all(row[-1] == scratch for row in slots_seen if len(row) == 4)
     assert True in refused_fresh, "the step starting r2's state ran outside the graphs"
     assert engine.block_manager.state_slots.num_used == 0
+
+
+def test_triton_op_set_matches_transformers(tmp_path: Path) -> None:
+    """The op set the GPU runs — Triton attention, the Triton GDN kernels (conv1d, chunked and
+    recurrent gated delta rule, gated norm), the fused MoE and MLP — interpreted on CPU, for the
+    most involved family (packed projections, dense and MoE layers): prefill in 3 chunks, then
+    decode, the same greedy tokens as transformers. Short: the interpreter is slow."""
+    hf, path = make_hf_hybrid(tmp_path, "tiny-qwen3-next")
+    engine = make_engine(path, budget=4, backend="triton")
+    assert engine.runner.attention_backend == "triton"
+    assert all(layer.linear_attn.fused for layer in engine.runner.model.model.layers if layer.is_linear)
+    steps = 3
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    engine.add_request("r0", PROMPTS[1], params)
+    out: list[int] = []
+    while engine.has_work():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+    assert out == hf_greedy(hf, PROMPTS[1])[0][:steps]
