@@ -28,13 +28,14 @@ class CacheTensors:
 
     def layer_caches(self) -> list:
         """Per layer, what the model's forward reads for it: the attention cache tensor, or for a
-        state layer the tuple of its state pools (one tensor per `StateSpec` shape, in order)."""
+        layer with only a state (a Gated DeltaNet layer) the tuple of its state pools (one tensor
+        per `StateSpec` shape, in order). A layer with both gets its attention cache here (no
+        model has such a layer yet; it would read `state` itself)."""
         per_layer: list = list(self.kv_caches)
         for layers in self.state.values():
             for layer, tensors in layers.items():
-                if per_layer[layer] is not None:
-                    raise ValueError(f"layer {layer} has both an attention cache and a state")
-                per_layer[layer] = tuple(tensors)
+                if per_layer[layer] is None:
+                    per_layer[layer] = tuple(tensors)
         return per_layer
 
     def total_bytes(self) -> int:

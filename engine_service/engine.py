@@ -74,11 +74,17 @@ class LLMEngine:
         self.runner = runner or ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         plan = getattr(self.runner, "memory_plan", None)  # stand-in runners have one plain pool
+        prefix_caching = config.cache.enable_prefix_caching
+        if prefix_caching and not getattr(self.runner, "supports_prefix_caching", True):
+            # A model that cannot resume a cached prefix (hybrid models can: state checkpoints).
+            log.info("prefix caching off: the model cannot resume a cached prefix",
+                     architecture=getattr(self.runner, "architecture", None))
+            prefix_caching = False
         # Models with state groups hit only where a state checkpoint exists (kv_cache.py).
         self.block_manager = (
-            BlockManager.from_plan(plan, config.cache.enable_prefix_caching, config.cache.checkpoint_stride())
+            BlockManager.from_plan(plan, prefix_caching, config.cache.checkpoint_stride())
             if plan is not None
-            else BlockManager(self.runner.num_blocks, self.runner.block_size, config.cache.enable_prefix_caching)
+            else BlockManager(self.runner.num_blocks, self.runner.block_size, prefix_caching)
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
                                    device_type=self.runner.device.type)

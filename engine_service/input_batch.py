@@ -174,9 +174,9 @@ def assemble_host_inputs(
     Shared by the worker's rows (`worker_rows.host_inputs_from_rows`) and the
     Sequence-shaped batches of `prepare_host_inputs`.
 
-    `state_slots[i]` is entry i's state slot (models with state groups: every entry has one,
-    else every entry has None); an entry continues the state in its slot unless it starts at
-    position 0 (`has_initial_state`)."""
+    `state_slots[i]` is entry i's state slot (models with state groups: every entry has one);
+    the state arrays are built when every entry has one, and an entry continues the state in its
+    slot unless it starts at position 0 (`has_initial_state`)."""
     num_seqs = len(query_lens)
     num_tokens = sum(query_lens)
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
@@ -192,10 +192,10 @@ def assemble_host_inputs(
     (block_tables, slot_mapping), *extra_groups = group_arrays(group_tables, seq_index, positions, block_size)
 
     input_ids = np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64, count=num_tokens)
+    # Only when every entry holds a slot (a model with state groups gives each request one; a
+    # hybrid layer handed a step without them fails loudly rather than read a wrong slot).
     state_indices = has_initial_state = None
-    if state_slots is not None and any(s is not None for s in state_slots):
-        if any(s is None for s in state_slots):
-            raise ValueError("some entries of a model with state groups hold no state slot")
+    if state_slots is not None and state_slots and all(s is not None for s in state_slots):
         state_indices = np.asarray(state_slots, dtype=np.int32)
         has_initial_state = seq_lens_np > query_lens_np
     return HostInputs(

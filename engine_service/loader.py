@@ -32,6 +32,7 @@ from torch import nn
 from tandem.engine_service.dummy_configs import get_dummy_config
 from tandem.engine_service.layers.attention import select_attention_backend
 from tandem.engine_service.layers.linear import default_weight_loader
+from tandem.engine_service.layers.moe import ExpertWeights, per_expert_checkpoint_name
 from tandem.engine_service.layers.norm import RMSNorm
 from tandem.engine_service.models.registry import get_model_class
 from tandem.model_spec import DUMMY_PREFIX, EMBEDDED_MODELS, embedded_model_path, is_hub_id, resolve_hub_model
@@ -221,9 +222,12 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
 
     Tensors are cast to each parameter's dtype and device. Raises `WeightLoadError` listing
     missing, unexpected and misshapen names (rotary `inv_freq` buffers are ignored; a tied
-    `lm_head.weight` is accepted and skipped). A model may rename checkpoint names, or drop
-    tensors it does not serve, with a static `checkpoint_name(name) -> str | None` (e.g. the text
-    part of a vision-language checkpoint).
+    `lm_head.weight` is accepted and skipped). MoE experts load from either layout: stacked
+    (`experts.gate_up_proj`, `experts.down_proj`, by name) or one tensor per expert
+    (`experts.{e}.gate_proj.weight` ...), stacked here; a stacked parameter counts as loaded once
+    every expert's every part arrived. A model may rename checkpoint names, or drop tensors it
+    does not serve, with a static `checkpoint_name(name) -> str | None` (e.g. the text part of a
+    vision-language checkpoint); names in messages are the checkpoint's.
     """
     rename = getattr(model, "checkpoint_name", None)
     files = sorted(Path(path).glob("*.safetensors"))
@@ -231,6 +235,9 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
         raise WeightLoadError(f"no *.safetensors files in {path}")
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
+    experts = {f"{prefix}.{stacked}": module for prefix, module in model.named_modules()
+               if isinstance(module, ExpertWeights) for stacked in ("gate_up_proj", "down_proj")}
+    expert_parts: dict[str, set[tuple[int, str]]] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []
     misshapen: list[str] = []
@@ -242,7 +249,18 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
                     continue
                 param = params.get(name)
                 if param is None:
-                    unexpected.append(stored)
+                    per_expert = per_expert_checkpoint_name(name)
+                    owner = experts.get(per_expert[0]) if per_expert else None
+                    if per_expert is None or owner is None:
+                        unexpected.append(stored)
+                        continue
+                    stacked, expert, proj = per_expert
+                    try:
+                        owner.load_expert(proj, expert, f.get_tensor(stored))
+                    except ValueError as e:
+                        misshapen.append(f"{stored}: {e}")
+                        continue
+                    expert_parts.setdefault(stacked, set()).add((expert, proj))
                     continue
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
@@ -251,6 +269,10 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
                     misshapen.append(f"{stored}: {e}")
                     continue
                 loaded.add(name)
+    for stacked, parts in expert_parts.items():
+        owner = experts[stacked]
+        if len(parts) == owner.num_experts * owner.parts_per_expert(stacked.rsplit(".", 1)[1]):
+            loaded.add(stacked)
     missing = sorted(params.keys() - loaded)
     if missing or unexpected or misshapen:
         raise WeightLoadError(

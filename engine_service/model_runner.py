@@ -72,6 +72,8 @@ class ModelRunner:
         self.attention_backend: str = self.model.attn_backend.name
         arch = self.model.config
         self.architecture = type(self.model).__name__
+        # False for models whose state a prefix hit cannot restore (hybrid models, for now).
+        self.supports_prefix_caching: bool = getattr(self.model, "supports_prefix_caching", True)
         self.arch_config = arch
         self.vocab_size = arch.vocab_size
         self.eos_token_ids = read_eos_token_ids(resolved)

@@ -20,7 +20,11 @@ conv state `[slots + 1, conv_dim, W - 1]` in the model dtype, recurrent state
 its slot holds. Pure-decode steps whose every request continues a state use the single-token
 kernels (`causal_conv1d_update`, `fused_recurrent_gated_delta_rule_update`); every other step the
 varlen prefill kernels. The math is the public kernels' (`tandem.kernels.causal_conv1d`,
-`gated_delta_rule`, `gated_norm`: Triton on CUDA, their PyTorch twins on CPU), never a copy here.
+`gated_delta_rule`, `gated_norm`), never a copy here. Which op set runs goes with the attention
+backend, as for every other layer (`fused`): the fused (Triton) backend calls the dispatching
+functions (Triton on CUDA, or interpreted on CPU under `TRITON_INTERPRET=1`), the PyTorch backend
+their PyTorch twins (`*_ref`, same signatures) — so the reference engine stays the reference
+whatever the environment says.
 
 Parameter names match the Hugging Face checkpoints (`linear_attn.*`).
 """
@@ -35,9 +39,9 @@ from torch import nn
 
 from tandem.engine_service.layers.attention import AttentionMetadata
 from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tandem.kernels.causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
-from tandem.kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule_update
-from tandem.kernels.gated_norm import rms_norm_gated
+from tandem.kernels import causal_conv1d as conv_kernels
+from tandem.kernels import gated_delta_rule as delta_kernels
+from tandem.kernels import gated_norm as norm_kernels
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,22 @@ class GatedDeltaNet(nn.Module):
     each request's slot holds the state after its last computed token.
     """
 
-    def __init__(self, shape: GatedDeltaNetShape) -> None:
+    def __init__(self, shape: GatedDeltaNetShape, fused: bool = False) -> None:
         super().__init__()
         self.shape = s = shape
+        self.fused = fused
+        if fused:  # the dispatching kernels
+            self._conv_prefill = conv_kernels.causal_conv1d_prefill
+            self._conv_update = conv_kernels.causal_conv1d_update
+            self._delta_chunk = delta_kernels.chunk_gated_delta_rule
+            self._delta_update = delta_kernels.fused_recurrent_gated_delta_rule_update
+            self._norm_gated = norm_kernels.rms_norm_gated
+        else:  # their PyTorch twins
+            self._conv_prefill = conv_kernels.causal_conv1d_prefill_ref
+            self._conv_update = conv_kernels.causal_conv1d_update_ref
+            self._delta_chunk = delta_kernels.chunk_gated_delta_rule_ref
+            self._delta_update = delta_kernels.fused_recurrent_gated_delta_rule_update_ref
+            self._norm_gated = norm_kernels.rms_norm_gated_ref
         h = s.hidden_size
         if s.split_projections:
             self.in_proj_qkv = ColumnParallelLinear(h, s.conv_dim, bias=False)
@@ -151,9 +168,9 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.view(s.conv_dim, s.conv_kernel)
         decode = metadata.is_state_decode
         if decode:
-            qkv = causal_conv1d_update(qkv, weight, None, conv_state, indices, activation="silu")
+            qkv = self._conv_update(qkv, weight, None, conv_state, indices, activation="silu")
         else:
-            qkv = causal_conv1d_prefill(qkv, weight, None, conv_state, indices, metadata.query_start_loc, fresh,
+            qkv = self._conv_prefill(qkv, weight, None, conv_state, indices, metadata.query_start_loc, fresh,
                                         activation="silu")
         q, k, v = torch.split(qkv, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = q.reshape(t, s.num_k_heads, s.head_k_dim)
@@ -164,10 +181,9 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         scale = s.head_k_dim**-0.5
         if decode:
-            o = fused_recurrent_gated_delta_rule_update(q, k, v, g, beta, scale, recurrent_state, indices,
-                                                        use_qk_l2norm=True)
+            o = self._delta_update(q, k, v, g, beta, scale, recurrent_state, indices, use_qk_l2norm=True)
         else:
-            o = chunk_gated_delta_rule(q, k, v, g, beta, scale, recurrent_state, indices, metadata.query_start_loc,
-                                       fresh, use_qk_l2norm=True)
-        o = rms_norm_gated(o.reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim), self.norm.weight, self.norm.eps)
+            o = self._delta_chunk(q, k, v, g, beta, scale, recurrent_state, indices, metadata.query_start_loc,
+                                  fresh, use_qk_l2norm=True)
+        o = self._norm_gated(o.reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim), self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(t, s.value_dim))

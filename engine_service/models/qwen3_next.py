@@ -31,14 +31,13 @@ the `(conv_state, recurrent_state)` pools of a GDN layer (`CacheTensors.layer_ca
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from tandem.engine_service.cache_spec import CacheGroup, CacheLayout, FullAttentionSpec, StateSpec
-from tandem.engine_service.layers.activation import silu_and_mul
 from tandem.engine_service.layers.attention import (
     Attention,
     AttentionBackend,
@@ -48,6 +47,8 @@ from tandem.engine_service.layers.attention import (
 from tandem.engine_service.layers.embedding import VocabEmbedding
 from tandem.engine_service.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
 from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tandem.engine_service.layers.mlp import GatedMLP
+from tandem.engine_service.layers.moe import MoeSpec, SparseMoeBlock
 from tandem.engine_service.layers.norm import ZeroCenteredRMSNorm
 from tandem.engine_service.layers.rotary import RopeConfig, RotaryEmbedding, RotaryInputs, apply_rotary
 
@@ -116,19 +117,6 @@ def layer_types_from_hf(hf: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(types)
 
 
-class DenseMLP(nn.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))` (Qwen3.5 dense; shared experts reuse it)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
-
-
 class GatedAttention(nn.Module):
     """Full attention with a sigmoid output gate from `q_proj`, zero-centred q/k norm and partial RoPE."""
 
@@ -159,28 +147,26 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.num_heads * d)))
 
 
-def _moe_block(cfg: HybridConfig) -> nn.Module:
-    # Imported here: only the MoE variants need it.
-    from tandem.engine_service.layers.moe import SparseMoeBlock
-
-    return SparseMoeBlock(
-        cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-    )
-
-
 class HybridDecoderLayer(nn.Module):
     """Pre-norm block: a GDN (`linear_attn`) or gated attention (`self_attn`) mixer, then the MLP."""
 
     def __init__(self, cfg: HybridConfig, backend: AttentionBackend, layer_id: int) -> None:
         super().__init__()
         self.is_linear = cfg.layer_types[layer_id] == LINEAR
+        # The fused (Triton) op set of the GDN kernels and feed-forwards goes with the attention backend's.
+        fused = backend.fused_layers
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg.gdn)
+            self.linear_attn = GatedDeltaNet(cfg.gdn, fused)
         else:
             self.self_attn = GatedAttention(cfg, backend)
-        moe = bool(cfg.moe_layers) and cfg.moe_layers[layer_id]
-        self.mlp = _moe_block(cfg) if moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module
+        if cfg.moe_layers and cfg.moe_layers[layer_id]:
+            self.mlp = SparseMoeBlock(
+                cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                cfg.norm_topk_prob, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, fused=fused,
+            )
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, fused=fused)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -234,6 +220,9 @@ class Qwen3NextForCausalLM(nn.Module):
 
     family: ClassVar[str] = "qwen3_next"
     split_projections: ClassVar[bool] = False  # Qwen3.5's in_proj_qkv / z / b / a
+    # A prefix hit reuses K/V and restores the GDN state from the state checkpoint at the hit
+    # position (kv_cache.py, state_pool.py): prefix caching works for these models.
+    supports_prefix_caching: ClassVar[bool] = True
 
     def __init__(self, cfg: HybridConfig, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
@@ -259,9 +248,8 @@ class Qwen3NextForCausalLM(nn.Module):
     @classmethod
     def moe_layers_from_hf(cls, hf: Mapping[str, Any]) -> tuple[bool, ...]:
         """Which layers use the sparse MoE block (Qwen3-Next: `decoder_sparse_step`, minus `mlp_only_layers`)."""
-        n, experts = hf["num_hidden_layers"], hf.get("num_experts", 0)
-        step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
-        return tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(n))
+        return MoeSpec.sparse_layers_from_hf(hf["num_hidden_layers"], hf.get("num_experts", 0),
+                                             hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or ())
 
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any]) -> HybridConfig:
@@ -351,7 +339,4 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any]) -> HybridConfig:
         # transformers' Qwen3.5-MoE router always renormalises its top-k weights.
-        cfg = super().config_from_hf(hf_config)
-        from dataclasses import replace
-
-        return replace(cfg, norm_topk_prob=True)
+        return replace(super().config_from_hf(hf_config), norm_topk_prob=True)

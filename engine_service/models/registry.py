@@ -13,12 +13,14 @@ from tandem.engine_service.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from tandem.engine_service.models.qwen3_moe import Qwen3MoeForCausalLM
 from tandem.engine_service.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
@@ -33,6 +35,7 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
     "mistral": MistralForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,

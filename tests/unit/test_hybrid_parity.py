@@ -15,6 +15,7 @@ Qwen3.5-MoE) are saved by transformers and loaded by our loader. Two levels:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 96
 NUM_SLOTS = 6
 ATOL = 2e-4
-FAMILIES = ["tiny-qwen3.5"]
+FAMILIES = ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
 
 
 def make_hf_hybrid(tmp_path: Path, dummy_name: str) -> tuple[torch.nn.Module, Path]:
@@ -73,6 +74,15 @@ def prompt(n: int, seed: int, vocab: int = 320) -> list[int]:
 
 
 PROMPTS = [prompt(n, seed=40 + i) for i, n in enumerate((21, 9, 30, 14))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one intra-op thread is faster than several fighting over a shared box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -200,9 +210,9 @@ def test_fresh_request_ignores_its_slots_previous_state(checkpoint) -> None:
 
 
 def make_engine(path: Path, num_blocks: int = 128, budget: int = 256, max_num_seqs: int = 4,
-                overlap: str = "off") -> LLMEngine:
+                overlap: str = "off", backend: str = "torch") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        ModelConfig(model=str(path), attention_backend="torch", max_model_len=256),
+        ModelConfig(model=str(path), attention_backend=backend, max_model_len=256),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, overlap_scheduling=overlap),
     ))
@@ -249,3 +259,144 @@ def test_engine_preempted_requests_rebuild_state(checkpoint) -> None:
     ours = run(engine, prompts)
     assert engine.scheduler.num_preemptions > 0
     assert ours == [hf_greedy(hf, p)[0] for p in prompts]
+
+
+def test_engine_abort_returns_the_slot_and_its_next_owner_starts_clean(checkpoint) -> None:
+    """A request aborted mid-decode gives its state slot back (its state still in the pool); the
+    request admitted into that slot next computes as if the slot were new."""
+    _, hf, path = checkpoint
+    engine = make_engine(path, max_num_seqs=1)  # one slot: the second request must reuse it
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    engine.add_request("doomed", PROMPTS[2], params)
+    for _ in range(5):
+        engine.step()
+    slots = engine.block_manager.state_slots
+    assert slots is not None and slots.num_used == 1
+    engine.abort("doomed")
+    assert slots.num_used == 0 and engine.block_manager.num_used_blocks == 0
+    (ours,) = run(engine, [PROMPTS[3]])
+    assert ours == hf_greedy(hf, PROMPTS[3])[0]
+
+
+# -- released-checkpoint layout and the CUDA-graph buffers ---------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_vision_language_checkpoint_serves_its_text_model(tmp_path: Path, name: str) -> None:
+    """A Qwen3.5 checkpoint as released: the text model inside a vision-language one (config
+    `text_config`, weights `model.language_model.*`, a vision tower `model.visual.*`). Our model
+    loads the text part and matches transformers' whole model on a text prompt."""
+    import transformers
+
+    from tandem.engine_service.dummy_configs import get_dummy_config
+
+    text = get_dummy_config(name)
+    text.pop("architectures")
+    wrappers = {"qwen3_5_text": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+                "qwen3_5_moe_text": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)}
+    config_cls, model_cls = wrappers[text["model_type"]]
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "out_hidden_size": text["hidden_size"], "num_position_embeddings": 64}
+    torch.manual_seed(7)
+    hf = model_cls(config_cls(text_config=text, vision_config=vision)).float().eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if "language_model" in pname and "norm" in pname and not pname.endswith("linear_attn.norm.weight"):
+                p.normal_(0.0, 0.2)
+            elif "embed_tokens" in pname:
+                p.normal_(0.0, 1.0)
+            elif not pname.endswith(("A_log", "linear_attn.norm.weight")):
+                p.normal_(0.0, 0.1)
+    hf.save_pretrained(tmp_path / "vl")
+    harness = HybridHarness(tmp_path / "vl")
+    assert type(harness.model).__name__ == ("Qwen3_5ForCausalLM" if name == "tiny-qwen3.5" else "Qwen3_5MoeForCausalLM")
+    tokens = PROMPTS[2]
+    seq = harness.new_seq(tokens)
+    ours = torch.cat([harness.step([(seq, n)])[0] for n in (17, 13)])
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens]), use_cache=False).logits[0].float()
+    assert ref.abs().max() > 0.5
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+
+
+def test_decode_through_graph_buffers_with_state_slots(checkpoint) -> None:
+    """Decode through the CUDA-graph runner's fixed, padded buffers (run eagerly on CPU): real
+    rows read their state slots from the fixed index buffer, padded rows the scratch slot, and
+    the tokens match transformers. A pure-decode step whose request starts its state (a
+    one-token prompt admitted while others decode) is refused by the graphs and runs eagerly."""
+    from tandem.engine_service.cuda_graphs import DecodeCudaGraphs
+
+    _, hf, path = checkpoint
+    engine = make_engine(path, budget=64, max_num_seqs=4)
+    runner = engine.runner
+    scratch = runner.memory_plan.num_state_slots
+    graphs = DecodeCudaGraphs(
+        runner.model, runner.layer_caches, sizes=[1, 2, 4], block_size=BLOCK_SIZE,
+        max_blocks_per_seq=runner.max_model_len // BLOCK_SIZE, scratch_block=runner.scratch_block,
+        num_kv_heads=runner.arch_config.num_key_value_heads, device=torch.device("cpu"), capture_graphs=False,
+        scratch_state_slot=scratch,
+    )
+    graphs.capture()
+    slots_seen: list[list[int]] = []
+    refused_fresh: list[bool] = []
+    forward, can_run = graphs._forward, graphs.can_run
+
+    def forward_with_host_lengths(bucket, metadata):
+        # The reference attention loops over host lengths, which graph metadata does not carry
+        # (the GPU kernels read the device buffer): hand it the buffer's lengths.
+        slots_seen.append(graphs.state_indices[:bucket].tolist())
+        lengths = graphs.seq_lens[:bucket].tolist()
+        return forward(bucket, dataclasses.replace(metadata, seq_lens_cpu=lengths, _group_views={}))
+
+    def recording_can_run(host):
+        ok = can_run(host)
+        if host.is_pure_decode and not ok:
+            refused_fresh.append(not host.has_initial_state.all())
+        return ok
+
+    graphs._forward, graphs.can_run = forward_with_host_lengths, recording_can_run
+    runner.cuda_graphs = graphs
+    for layers in runner.cache_tensors.state.values():  # garbage a fresh request must never read
+        for pools in layers.values():
+            for pool in pools:
+                pool.normal_()
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[0][:1]]
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {"r0": [], "r1": [], "r2": []}
+    engine.add_request("r0", prompts[0], params)
+    engine.add_request("r1", prompts[1], params)
+    for step in range(5000):
+        if step == 3:  # r0 and r1 decode; r2's single prompt token joins a pure-decode step
+            engine.add_request("r2", prompts[2], params)
+        if step > 3 and not engine.has_work():
+            break
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    assert [out[r] for r in ("r0", "r1", "r2")] == [hf_greedy(hf, p)[0] for p in prompts]
+    assert any(len(row) == 4 for row in slots_seen), "three requests decoded in a padded bucket of 4"
+    for row in slots_seen:  # real rows first, each on its own slot; padding on the scratch slot
+        real = [s for s in row if s != scratch]
+        assert row == real + [scratch] * (len(row) - len(real)) and len(set(real)) == len(real)
+        assert all(0 <= s < scratch for s in real)
+    assert all(row[-1] == scratch for row in slots_seen if len(row) == 4)
+    assert True in refused_fresh, "the step starting r2's state ran outside the graphs"
+    assert engine.block_manager.state_slots.num_used == 0
+
+
+def test_triton_op_set_matches_transformers(tmp_path: Path) -> None:
+    """The op set the GPU runs — Triton attention, the Triton GDN kernels (conv1d, chunked and
+    recurrent gated delta rule, gated norm), the fused MoE and MLP — interpreted on CPU, for the
+    most involved family (packed projections, dense and MoE layers): prefill in 3 chunks, then
+    decode, the same greedy tokens as transformers. Short: the interpreter is slow."""
+    hf, path = make_hf_hybrid(tmp_path, "tiny-qwen3-next")
+    engine = make_engine(path, budget=4, backend="triton")
+    assert engine.runner.attention_backend == "triton"
+    assert all(layer.linear_attn.fused for layer in engine.runner.model.model.layers if layer.is_linear)
+    steps = 3
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    engine.add_request("r0", PROMPTS[1], params)
+    out: list[int] = []
+    while engine.has_work():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+    assert out == hf_greedy(hf, PROMPTS[1])[0][:steps]
