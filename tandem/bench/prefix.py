@@ -11,7 +11,9 @@
    the whole prefix rounded down to a block, or to a checkpoint position).
 2. **Cost on a no-reuse workload.** `noreuse_requests` random prompts (nothing shared), all
    submitted at once, run with prefix caching on and off, `repeats` times each, alternating (on,
-   off, on, off...). cost = 1 - (best throughput with caching on) / (best with caching off),
+   off, on, off...), each run on a fresh engine alone on the device (so each gets the memory it
+   would get in production: with caching off, the checkpoints' share goes to KV blocks).
+   cost = 1 - (best throughput with caching on) / (best with caching off),
    for output and total tokens/s. With caching on a hybrid model saves checkpoints (copies after
    chunks that end on a checkpoint position, and chunks cut there), so this is what they cost
    when nothing is ever reused. Goal: <= 3 %.
@@ -22,7 +24,6 @@ Each engine is warmed up first (prefix cache reset after). Results go under `res
 from __future__ import annotations
 
 import dataclasses
-import gc
 import random
 import time
 from dataclasses import dataclass
@@ -115,16 +116,17 @@ def _engine(config: Any, model: str | None = None, prefix_caching: bool | None =
     return LLMEngine(dataclasses.replace(config, model=mc, cache=cc))
 
 
-def _free(engine: Any) -> None:
-    del engine
-    gc.collect()
-    try:
-        import torch
+def _with_engine(config: Any, model: str | None, prefix_caching: bool, fn: Any) -> Any:
+    """`fn(engine)` on a fresh engine that is the only one on the device, released afterwards
+    (a second engine alive at once would size its cache from what the first left free)."""
+    from tandem.bench.hf_peer import release_device_memory
 
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:  # pragma: no cover
-        pass
+    engine = _engine(config, model, prefix_caching)
+    try:
+        return fn(engine)
+    finally:
+        del engine
+        release_device_memory()
 
 
 def _warm(engine: Any, opts: PrefixOptions, deadline: Deadline) -> None:
@@ -183,37 +185,37 @@ def run_prefix(record: BenchRecord, config: Any, opts: PrefixOptions, deadline: 
         if deadline.expired():
             record.add_error(f"prefix.hit_rate.{label}", TimeoutError("out of time"))
             continue
-        engine = _engine(config, model, prefix_caching=True)
-        try:
+
+        def shared(engine: Any) -> dict[str, Any]:
             _warm(engine, opts, deadline)
             requests = shared_prefix_requests(engine.vocab_size, opts, engine.max_model_len)
             prefix_len = len(requests[0].prompt_token_ids) - opts.suffix_len
             run = hit_rate_run(engine, requests, opts, deadline)
             stride = engine.block_manager.checkpoint_stride or engine.block_manager.block_size
             run["ceiling"] = hit_ceilings(requests, prefix_len, engine.block_manager.block_size, stride)
-            hits[label] = run | {"model": model}
-        finally:
-            _free(engine)
-    # 2. No-reuse throughput, prefix caching on vs off, alternating.
+            return run | {"model": model}
+
+        hits[label] = _with_engine(config, model, True, shared)
+    # 2. No-reuse throughput, prefix caching on vs off, alternating, a fresh engine per run.
     runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
     res["noreuse"] = {"runs": runs}
-    engines = {}
-    try:
+
+    def noreuse(engine: Any) -> dict[str, Any]:
+        _warm(engine, opts, deadline)
+        requests = noreuse_requests(engine.vocab_size, opts, engine.max_model_len)
+        out = throughput_run(engine, requests, deadline)
+        return out | {"kv_blocks": engine.block_manager.num_blocks,
+                      "checkpoint_slots": engine.block_manager.checkpoints.num_slots
+                      if engine.block_manager.checkpoints is not None else 0}
+
+    for _ in range(opts.repeats):
         for mode in ("on", "off"):
-            engines[mode] = _engine(config, prefix_caching=mode == "on")
-            _warm(engines[mode], opts, deadline)
-        requests = noreuse_requests(engines["on"].vocab_size, opts, engines["on"].max_model_len)
-        for _ in range(opts.repeats):
-            for mode in ("on", "off"):
-                if deadline.expired():
-                    record.add_error("prefix.noreuse", TimeoutError("out of time"))
-                    break
-                t0 = time.perf_counter()
-                runs[mode].append(throughput_run(engines[mode], requests, deadline))
-                log.info("prefix noreuse run", prefix_caching=mode, seconds=round(time.perf_counter() - t0, 2))
-    finally:
-        for engine in engines.values():
-            _free(engine)
+            if deadline.expired():
+                record.add_error("prefix.noreuse", TimeoutError("out of time"))
+                break
+            t0 = time.perf_counter()
+            runs[mode].append(_with_engine(config, None, mode == "on", noreuse))
+            log.info("prefix noreuse run", prefix_caching=mode, seconds=round(time.perf_counter() - t0, 2))
     if runs["on"] and runs["off"]:
         best = {mode: {k: max(r[k] for r in runs[mode]) for k in ("output_tokens_per_s", "total_tokens_per_s")}
                 for mode in runs}
