@@ -7,6 +7,10 @@ is exactly the state after the chunk's first `start` tokens (fresh when `start =
 its visible K/V hold its own tokens, then writes, then applies the checkpoint saves. A hit that
 reused K/V without the matching state, a checkpoint restored from the wrong prefix, a save from
 the wrong slot or at the wrong position, or a checkpoint slot reused while registered, all fail.
+
+Then the pieces around it (copies on tensors, the worker's order, planner sizing, options,
+metrics), end to end on tiny Qwen3.5 / Qwen3-Next checkpoints saved by transformers (hits give
+the tokens and logprobs of the no-caching engine and of transformers), and `tandem bench prefix`.
 """
 
 from __future__ import annotations
