@@ -276,7 +276,11 @@ def cmd_worker(args: argparse.Namespace) -> None:
         if mutant:
             result.update(id=mutant["id"], line=mutant["line"], diff=mutant["diff"])
         else:
-            result.update(id=f"{module['module']}:baseline", log=log.read_text(errors="replace")[-3000:])
+            # Which version of the tests judged this module (the tree may change between runs).
+            test_files = {t: hashlib.sha256((repo_copy / t).read_bytes()).hexdigest()[:16]
+                          for t in module["tests"] if t.endswith(".py") and (repo_copy / t).is_file()}
+            result.update(id=f"{module['module']}:baseline", tests_sha256=test_files,
+                          log=log.read_text(errors="replace")[-3000:])
         print(json.dumps(result), flush=True)
 
 
