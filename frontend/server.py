@@ -30,7 +30,7 @@ from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.request_ids import DuplicateRequestId, RequestIdMap
 from tandem.frontend.tokenize_pool import TokenizePool, TokenizerBusy
 from tandem.grpc_service import reject_malformed
-from tandem.protocol import InvalidRequest, to_struct
+from tandem.protocol import InvalidRequest, kv_transfer_from_metadata, kv_transfer_to_proto, to_struct
 from tandem.security import AccessPolicy
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
@@ -195,6 +195,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "frontend is draining")
         try:
+            header_kv = kv_transfer_from_metadata(context.invocation_metadata())
+            if header_kv is not None:  # the header wins over the body's kv_transfer_params, whole
+                request.kv_transfer_params.CopyFrom(kv_transfer_to_proto(header_kv))
             self.builder.check_request(request)
             reg = self.ids.register(request.request_id or None, self.builder.num_choices(request),
                                     owner=self.access.caller_identity(context))
