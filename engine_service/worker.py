@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine_service.kv_connector.worker_side import KVConnectorWorker
 from tandem.engine_service.model_runner import ModelRunner
 from tandem.engine_service.sampler import PendingSample, Sampler, SamplerOutput
 from tandem.engine_service.step_plan import StepPlan
@@ -41,10 +42,13 @@ class StepWorker:
     collect is no longer among the rows, so that step's token reaches no live row.
     """
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, num_cache_groups: int = 1) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, num_cache_groups: int = 1,
+                 kv_worker: KVConnectorWorker | None = None) -> None:
         self.runner = runner
         self.sampler = sampler
         self.rows = WorkerRows(num_cache_groups)
+        # The KV connector's worker side (consumer engines): starts/cancels the plan's loads.
+        self.kv_worker = kv_worker
 
     def execute(self, batch: StepBatch, previous: WorkerStep | None = None) -> torch.Tensor:
         """Forward `batch` (from `rows.apply`); float32 logits of its sampling entries. The rows
@@ -56,6 +60,10 @@ class StepWorker:
         """Apply `plan` and queue its step on the device (nothing waits); None when the plan
         schedules nothing (it only dropped rows). `previous` is the step still in flight, whose
         sampled tokens this step's pending inputs read on the device."""
+        if self.kv_worker is not None:
+            self.kv_worker.apply(plan.kv_connector_metadata)
+        elif plan.kv_connector_metadata:
+            raise ValueError("the plan carries KV loads but this worker has no KV connector")
         batch = self.rows.apply(plan)
         if not batch:
             return None
