@@ -223,9 +223,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         elif cmd == C.UTILITY_COMMAND_ABORT:
             if not request.request_id:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required for ABORT")
-            if not self.engine.abort(request.request_id):
+            if self.engine.abort(request.request_id):
+                result = {"aborted": request.request_id}
+            elif (self.model_info.get("kv_transfer") or {}).get("role") in ("producer", "both"):
+                # A finished prefill leg may still hold its blocks under a lease: the abort
+                # releases it (the frontend's way to free a lease no decode leg will take).
+                self.engine.release_lease(request.request_id)
+                result = {"aborted": request.request_id, "lease_release_requested": True}
+            else:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight")
-            result = {"aborted": request.request_id}
         elif cmd == C.UTILITY_COMMAND_STATS:
             stats: EngineStats = await self._core_utility(UtilityCommand.STATS, context)
             result = stats.to_dict()

@@ -87,6 +87,14 @@ class DisaggregatedPools:
 
     async def wait_ready(self, timeout: float) -> None:
         await asyncio.gather(self.prefill.wait_ready(timeout=timeout), self.decode.wait_ready(timeout=timeout))
+        for pool, roles, flag in ((self.prefill, ("producer", "both"), "producer"),
+                                  (self.decode, ("consumer", "both"), "consumer")):
+            for r in pool.replicas:
+                role = (r.model_info.get("kv_transfer") or {}).get("role", "none") if r.model_info else None
+                if role is not None and role not in roles:
+                    # It still serves its leg; the decode engine then computes the prompt itself.
+                    log.warning("disaggregated_engine_without_kv_role", address=r.address, role=role,
+                                needs=f"--kv-role {flag} (or both)")
         p, d = self.prefill.limits_info(), self.decode.limits_info()
         if p["model"] != d["model"] or p["vocab_size"] != d["vocab_size"]:
             raise RuntimeError(f"the prefill engines serve {p['model']!r} (vocabulary {p['vocab_size']}) but the "

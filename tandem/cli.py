@@ -168,11 +168,7 @@ def _child_env(parser_for_engine: argparse.ArgumentParser) -> dict[str, str]:
 
 
 def _kv_role_argv(args, role: str) -> list[str]:
-    """`serve --disaggregated`: an engine child's KV role (its transfer address picks a free port).
-    An engine without KV-transfer flags still serves both legs: the decode engine then computes
-    the prompt itself."""
-    if "--kv-role" not in args.engine_parser._option_string_actions:
-        return []
+    """`serve --disaggregated`: an engine child's KV role (its transfer address picks a free port)."""
     return ["--kv-role", role, "--kv-transfer-address", f"{args.engine_host}:0"]
 
 
