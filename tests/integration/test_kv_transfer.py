@@ -343,3 +343,79 @@ def test_model_info_reports_the_role(producer, consumer):
     assert info["engine_id"].startswith("tandem-")
     cinfo = core_info(consumer.engine).model_info()["kv_transfer"]
     assert cinfo["role"] == "consumer" and cinfo["transfer_address"] is None
+
+
+# -- two `tandem engine` processes over gRPC (the engine core in its own process) -----------------
+
+
+def _engine_process(tmp_path, role: str, extra: list[str] | None = None):
+    from tests.conftest import ServerProcess, free_port, wait_serving
+
+    port = free_port()
+    proc = ServerProcess(["engine", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL, "--seed", "3",
+                          "--attention-backend", "torch", "--max-model-len", "128", "--block-size", str(BLOCK),
+                          "--num-kv-blocks", "128", "--kv-role", role, *(extra or [])],
+                         stderr=tmp_path / f"{role}.log")
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address, "tandem.v1.Engine", 180, proc.proc)
+    except Exception:
+        proc.stop()
+        raise
+    return proc, address
+
+
+def test_two_engine_processes_over_grpc(tmp_path, reference):
+    """The same two legs through `tandem engine --kv-role producer|consumer` processes: the
+    parameters cross gRPC both ways, and the producer frees the lease after the pull."""
+    import grpc
+    from google.protobuf import json_format
+
+    from tandem.protocol import kv_transfer_from_proto, kv_transfer_to_proto
+    from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+    producer, paddr = _engine_process(tmp_path, "producer", ["--kv-engine-id", "prefill-0"])
+    consumer, caddr = _engine_process(tmp_path, "consumer")
+    try:
+        pstub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(paddr))
+        cstub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(caddr))
+
+        def utility(stub, command) -> dict:
+            r = stub.Utility(common_pb2.UtilityRequest(command=command), timeout=10)
+            return json_format.MessageToDict(r.result)
+
+        info = utility(pstub, common_pb2.UTILITY_COMMAND_MODEL_INFO)["kv_transfer"]
+        assert info["role"] == "producer" and info["engine_id"] == "prefill-0"
+
+        def call(stub, rid, tokens, max_tokens, params=None):
+            req = engine_pb2.EngineRequest(request_id=rid, prompt_token_ids=tokens, sampling=common_pb2.SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            if params is not None:
+                req.kv_transfer_params.CopyFrom(kv_transfer_to_proto(params))
+            toks, last = [], None
+            for msg in stub.Stream(req, timeout=60):
+                toks += list(msg.token_ids)
+                last = msg
+            return toks, last
+
+        prompts = {f"g{i}": prompt(40 + i, n) for i, n in enumerate([6, 14, 27])}
+        ref = run(reference, [request(rid, t, 5) for rid, t in prompts.items()])
+        for rid, tokens in prompts.items():
+            first, last = call(pstub, rid + "-p", tokens, 1, KVTransferParams(do_remote_decode=True))
+            params = kv_transfer_from_proto(last.kv_transfer_params)
+            assert params.do_remote_prefill and params.remote_engine_id == "prefill-0"
+            rest, _ = call(cstub, rid + "-d", tokens + first, 4, params)
+            assert first + rest == ref[rid].tokens
+        stats = utility(cstub, common_pb2.UTILITY_COMMAND_STATS)
+        assert int(stats["kv_remote_tokens_loaded"]) == sum(len(t) for t in prompts.values())
+        deadline = time.monotonic() + 10
+        while True:  # released by the pull's end; swept by the idle core (and before STATS answers)
+            time.sleep(0.1)
+            pstats = utility(pstub, common_pb2.UTILITY_COMMAND_STATS)
+            if int(pstats.get("kv_leases_active", 0)) == 0 and int(pstats.get("kv_blocks_used", 0)) == 0:
+                break
+            assert time.monotonic() < deadline, pstats
+        assert int(stats.get("kv_blocks_used", 0)) == 0
+    finally:
+        producer.stop()
+        consumer.stop()
