@@ -98,3 +98,41 @@ def test_frontend_reports_both_pools(disagg):
     assert info["disaggregated"] == {"prefill": [disagg["prefill"]], "decode": [disagg["decode"]]}
     stats = disagg["client"].utility("stats")
     assert set(stats["engines"]) == {disagg["prefill"], disagg["decode"]}
+
+
+def _kv(client: TandemClient, address: str) -> dict:
+    stats = engine_stats(client, address)
+    return {k: int(stats.get(k, 0)) for k in ("kv_remote_tokens_loaded", "kv_remote_blocks_pulled",
+                                               "prefix_cache_hits", "kv_leases_active", "kv_blocks_used")}
+
+
+def test_decode_engine_loads_the_prompt_remotely_and_only_new_blocks_later(disagg):
+    client = disagg["client"]
+    client.utility("flush_prefix_cache")  # both pools: nothing cached on either engine
+    with grpc.insecure_channel(disagg["decode"]) as ch:
+        info = engine_pb2_grpc.EngineStub(ch).Utility(
+            common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_MODEL_INFO), timeout=10).result
+    block_size = int(info["block_size"])
+    assert info["kv_transfer"]["role"] == "consumer"
+    kwargs = dict(max_tokens=6, temperature=0.0, return_prompt_token_ids=True)
+    before = _kv(client, disagg["decode"])
+    first = client.generate(LONG_PREFIX + "Question: which planet has rings? Answer:", **kwargs)
+    after_first = _kv(client, disagg["decode"])
+    n1 = len(first.prompt_token_ids)
+    # A cold decode engine pulls the whole prompt: every token the producer's KV covers.
+    assert after_first["kv_remote_tokens_loaded"] - before["kv_remote_tokens_loaded"] == n1
+    assert after_first["kv_remote_blocks_pulled"] - before["kv_remote_blocks_pulled"] == -(-n1 // block_size)
+    second = client.generate(LONG_PREFIX + "Question: which planet is red? Answer:", **kwargs)
+    after_second = _kv(client, disagg["decode"])
+    n2 = len(second.prompt_token_ids)
+    own_hit = after_second["prefix_cache_hits"] - after_first["prefix_cache_hits"]
+    assert own_hit >= 3 * block_size  # the shared prefix's full blocks, from the first decode leg
+    loaded = after_second["kv_remote_tokens_loaded"] - after_first["kv_remote_tokens_loaded"]
+    assert loaded == n2 - own_hit  # only what the decode engine did not hold
+    assert after_second["kv_remote_blocks_pulled"] - after_first["kv_remote_blocks_pulled"] == -(-loaded // block_size)
+    # The outputs are the single-engine ones, and nothing is left held on either engine.
+    expected = engine_generate(disagg["prefill"], "ref-prefix", list(second.prompt_token_ids), 6)
+    assert list(second.choices[0].token_ids) == expected
+    for address in (disagg["prefill"], disagg["decode"]):
+        left = _kv(client, address)
+        assert left["kv_leases_active"] == 0 and left["kv_blocks_used"] == 0, (address, left)
