@@ -28,7 +28,7 @@ import time
 import grpc
 import structlog
 
-from tandem.frontend.engine_pool import EnginePool, EngineReplica
+from tandem.frontend.engine_pool import EnginePool, EngineReplica, NoEngineAvailable
 from tandem.v1 import common_pb2, engine_pb2
 
 log = structlog.get_logger(__name__)
@@ -48,11 +48,13 @@ REFUSED_BEFORE_START = frozenset({
 
 class LegFailed(grpc.aio.AioRpcError):
     """An engine leg ended with an error status; names the replica (and its pool) that answered,
-    so the caller marks the right one out of rotation on UNAVAILABLE."""
+    so the caller marks the right one out of rotation on UNAVAILABLE (`replica` None: no replica
+    of the pool was ready to take the leg)."""
 
-    def __init__(self, error: grpc.aio.AioRpcError, leg: str, pool: EnginePool, replica: EngineReplica) -> None:
+    def __init__(self, error: grpc.aio.AioRpcError, leg: str, pool: EnginePool, replica: EngineReplica | None) -> None:
+        where = f"{leg} leg on {replica.address}" if replica is not None else f"{leg} leg"
         super().__init__(error.code(), error.initial_metadata(), error.trailing_metadata(),
-                         f"{leg} leg on {replica.address}: {error.details()}")
+                         f"{where}: {error.details()}")
         self.leg = leg
         self.pool = pool
         self.replica = replica
@@ -171,11 +173,13 @@ class TwoLegCall:
     """One choice as a prefill leg then a decode leg, iterated like one engine Stream call.
 
     `max_tokens` is the choice's resolved total (the client's, or the engine's default capped by
-    the context); 1 sends a plain request to the prefill engine and no decode leg.
+    the context); 1 sends a plain request to the prefill engine and no decode leg. `decode` None:
+    the decode replica is picked from the decode pool when the decode leg starts (the least
+    loaded ready one then, with the health known then).
     """
 
     def __init__(self, request: engine_pb2.EngineRequest, pools: DisaggregatedPools, prefill: EngineReplica,
-                 decode: EngineReplica, max_tokens: int, timeout: float | None, metadata, multiplexed: bool) -> None:
+                 decode: EngineReplica | None, max_tokens: int, timeout: float | None, metadata, multiplexed: bool) -> None:
         self.request = request
         self.pools = pools
         self.prefill = prefill
@@ -254,6 +258,12 @@ class TwoLegCall:
             tokens, logprobs
 
     async def _run_decode(self, leg: engine_pb2.EngineRequest):
+        if self.decode is None:
+            try:
+                self.decode = self.pools.decode.pick()
+            except NoEngineAvailable as exc:  # the lease stays ours: released on the way out
+                raise LegFailed(_rpc_error(grpc.StatusCode.UNAVAILABLE, str(exc)), "decode", self.pools.decode,
+                                None) from None
         self.decode.in_flight += 1
         received = False
         try:

@@ -58,7 +58,6 @@ class ActiveRequest:
     external_id: str
     internal_ids: list[str]
     replica: EngineReplica | None = None
-    decode_replica: EngineReplica | None = None  # disaggregated: where the decode legs run
     observation: RequestObservation | None = None
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     end_choices: Callable[[], int] | None = None
@@ -230,13 +229,12 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 return
             try:
                 active.replica = self.pool.pick()
-                if self.disaggregated is not None:
-                    active.decode_replica = self.disaggregated.decode.pick()
+                if self.disaggregated is not None and not self.disaggregated.decode.any_healthy:
+                    # Each decode leg picks its replica when it starts; none ready now: no prefill.
+                    raise NoEngineAvailable("no decode engine replica is ready")
             except NoEngineAvailable as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             obs.note(engine=active.replica.address)
-            if active.decode_replica is not None:
-                obs.note(decode_engine=active.decode_replica.address)
             async for msg in self._fan_out(prepared, active, context, stream, arrival):
                 yield msg
         finally:
@@ -401,7 +399,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         disaggregated pools) a `TwoLegCall` over its prefill and decode replicas."""
         if self.disaggregated is None:
             return active.replica.open_call(er, deadline, metadata, self.pool.multiplexed)
-        return TwoLegCall(er, self.disaggregated, active.replica, active.decode_replica,
+        return TwoLegCall(er, self.disaggregated, active.replica, None,
                           self._resolved_max_tokens(er, active.replica, len(prepared.prompt_token_ids)),
                           deadline, metadata, self.pool.multiplexed)
 
@@ -421,7 +419,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         disaggregated leg's error names the replica that answered (`LegFailed`)."""
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             if isinstance(error, LegFailed):
-                error.pool.mark_failed(error.replica)
+                if error.replica is not None:
+                    error.pool.mark_failed(error.replica)
             else:
                 self.pool.mark_failed(replica)
         remaining = context.time_remaining()

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from tandem.frontend.disaggregation import DECODE_LEG_SUFFIX, LegFailed, TwoLegCall
+from tandem.frontend.engine_pool import NoEngineAvailable
 from tandem.v1 import common_pb2, engine_pb2
 
 PROMPT = [5, 6, 7, 8]
@@ -74,10 +75,21 @@ def request(max_tokens=None, min_tokens=None) -> engine_pb2.EngineRequest:
     return er
 
 
-def make(prefill_calls, decode_calls, total: int, er=None, timeout=None):
-    pools = SimpleNamespace(prefill=SimpleNamespace(name="prefill-pool"), decode=SimpleNamespace(name="decode-pool"))
+class FakePool:
+    def __init__(self, replicas) -> None:
+        self.replicas = replicas
+
+    def pick(self):
+        if not self.replicas:
+            raise NoEngineAvailable("no engine replica is ready")
+        return self.replicas[0]
+
+
+def make(prefill_calls, decode_calls, total: int, er=None, timeout=None, decode_ready=True):
     p, d = FakeReplica("p:1", prefill_calls), FakeReplica("d:1", decode_calls)
-    call = TwoLegCall(er or request(total), pools, p, d, total, timeout, (), False)
+    pools = SimpleNamespace(prefill=FakePool([p]), decode=FakePool([d] if decode_ready else []))
+    # The decode replica is picked from its pool when the decode leg starts (as the server does).
+    call = TwoLegCall(er or request(total), pools, p, None, total, timeout, (), False)
     return call, p, d, pools
 
 
@@ -216,3 +228,20 @@ def test_a_deadline_that_passes_before_the_decode_leg_fails_it_and_releases():
 
     err, p, d = asyncio.run(main())
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and d.sent == [] and p.aborts == ["r-1-0"]
+
+
+def test_no_decode_replica_ready_when_the_decode_leg_starts():
+    async def main():
+        call, p, d, pools = make([FakeCall([resp([11], LENGTH, 4, 1, lease="L")])], [], 5, decode_ready=False)
+        got = []
+        with pytest.raises(LegFailed) as err:
+            async for r in call:
+                got.append(r)
+        await asyncio.sleep(0.01)
+        return got, err.value, p, pools
+
+    got, err, p, pools = asyncio.run(main())
+    assert [list(r.token_ids) for r in got] == [[11]]
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and err.replica is None and err.pool is pools.decode
+    assert err.details() == "decode leg: no engine replica is ready"
+    assert p.aborts == ["r-1-0"]
