@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.client import TandemClient
+from tandem.client import TandemClient, build_request
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 ENGINE_SERVICE = "tandem.v1.Engine"
@@ -198,4 +198,12 @@ def test_kv_transfer_params_round_trip_through_the_core(serve):
     with TandemClient(serve["frontend"]) as c:
         reply = c.generate("Hello", max_tokens=2, kv_transfer_params={"remote_engine_id": "e", "x": "y"})
         assert reply.kv_transfer_params.remote_engine_id == "e" and dict(reply.kv_transfer_params.extra) == {"x": "y"}
+        # The frontend reads the header too, and it wins over the body.
+        req = build_request(prompt="Hello", max_tokens=2, kv_transfer_params={"remote_engine_id": "body"})
+        got = c.stub.Generate(req, metadata=header, timeout=30).kv_transfer_params
+        assert got.remote_engine_id == "from-header" and dict(got.extra) == {"k": "v"}
+        with pytest.raises(grpc.RpcError) as err:
+            c.stub.Generate(req, metadata=(("x-tandem-kv-transfer", '{"block_size": 0}'),), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == "x-tandem-kv-transfer.block_size: must be >= 1"
     channel.close()
