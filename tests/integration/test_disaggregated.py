@@ -31,7 +31,9 @@ LONG_PREFIX = (
 def disagg(launch_serve, get_free_port):
     decode_port = get_free_port()
     server, frontend, prefill = launch_serve(["--disaggregated", "--decode-engine-port", str(decode_port),
-                                              "--allow-admin-commands", "--frontend-workers", "1"])
+                                              "--allow-admin-commands", "--frontend-workers", "1",
+                                              # fixed pools: two engines on one GPU cannot each size by free memory
+                                              "--num-kv-blocks", "1024"])
     decode = f"127.0.0.1:{decode_port}"
     with TandemClient(frontend) as client:
         yield {"client": client, "prefill": prefill, "decode": decode, "process": server}

@@ -29,9 +29,10 @@ def topo(server_tools, smollm2_dir):
     t = server_tools
     pport, dport, fport = t.free_port(), t.free_port(), t.free_port()
     prefill, decode, frontend = (f"127.0.0.1:{p}" for p in (pport, dport, fport))
+    # Fixed pools: two engines on one GPU cannot each size theirs by free memory.
     producer = t.ServerProcess(["engine", "--port", str(pport), "--kv-role", "producer",
-                                "--kv-lease-seconds", str(LEASE_SECONDS)])
-    consumer = t.ServerProcess(["engine", "--port", str(dport), "--kv-role", "consumer"])
+                                "--kv-lease-seconds", str(LEASE_SECONDS), "--num-kv-blocks", "1024"])
+    consumer = t.ServerProcess(["engine", "--port", str(dport), "--kv-role", "consumer", "--num-kv-blocks", "1024"])
     front = t.ServerProcess(["frontend", "--host", "127.0.0.1", "--port", str(fport), "--prefill-engine", prefill,
                              "--decode-engine", decode, "--allow-admin-commands", "--engine-connect-timeout", "120"])
     procs = [producer, consumer, front]
