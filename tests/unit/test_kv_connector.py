@@ -371,3 +371,21 @@ def test_worker_pulls_writes_and_drops_cancelled_loads():
     finally:
         worker.close()
         srv.close()
+
+
+# -- tandem bench disagg: the two shapes' arguments --------------------------------------------------
+
+
+def test_bench_disagg_shape_arguments():
+    from tandem.bench.disagg import shape_args
+
+    flags = ["--model", "m", "--num-kv-blocks", "100", "--kv-role", "none", "--kv-transport", "cuda_ipc"]
+    single = shape_args("single", flags, 100, None)
+    assert single == ["--model", "m", "--kv-transport", "cuda_ipc", "--num-kv-blocks", "200"]
+    assert shape_args("single", flags, 100, 150)[-2:] == ["--num-kv-blocks", "150"]
+    disagg = shape_args("disaggregated", flags, 100, None)
+    assert disagg[:6] == ["--model", "m", "--num-kv-blocks", "100", "--kv-transport", "cuda_ipc"]
+    assert disagg[6:8] == ["--disaggregated", "--decode-engine-port"] and int(disagg[8]) > 0
+    assert "--kv-role" not in disagg  # serve --disaggregated gives each engine its role
+    with pytest.raises(ValueError, match="unknown shape"):
+        shape_args("triple", flags, 100, None)
