@@ -289,7 +289,8 @@ class LLMEngine:
         leases = self.kv.scheduler.leases
         return dict(
             kv_remote_tokens_loaded=c.remote_tokens_loaded, kv_remote_blocks_pulled=c.remote_blocks_pulled,
-            kv_remote_bytes_pulled=c.remote_bytes_pulled, kv_remote_loads=c.remote_loads,
+            kv_remote_bytes_pulled=c.remote_bytes_pulled, kv_remote_load_seconds=c.remote_load_seconds,
+            kv_remote_loads=c.remote_loads,
             kv_remote_load_failures=c.remote_load_failures, kv_loading_requests=len(self.scheduler.loading),
             kv_leases_active=len(leases), kv_leases_granted=c.leases_granted, kv_leases_expired=leases.expired_total,
         )

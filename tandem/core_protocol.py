@@ -304,6 +304,7 @@ class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):
     kv_remote_tokens_loaded: int = 0  # prompt tokens whose KV a consumer pulled from a producer
     kv_remote_blocks_pulled: int = 0  # blocks pulled, over every paged cache group
     kv_remote_bytes_pulled: int = 0
+    kv_remote_load_seconds: float = 0.0  # summed over loads, plan to blocks written (bytes / this = GB/s)
     kv_remote_loads: int = 0  # loads finished
     kv_remote_load_failures: int = 0
     kv_loading_requests: int = 0  # requests holding blocks while their KV is pulled

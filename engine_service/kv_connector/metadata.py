@@ -58,6 +58,7 @@ class KVLoadReport(msgspec.Struct, kw_only=True):
     failed: dict[str, str] = msgspec.field(default_factory=dict)
     blocks_loaded: int = 0
     bytes_loaded: int = 0
+    seconds: float = 0.0  # summed over finished loads: from the plan that started each to its write
 
     def __bool__(self) -> bool:
         return bool(self.finished or self.failed)

@@ -48,6 +48,7 @@ class KVTransferCounters:
     remote_tokens_loaded: int = 0  # prompt tokens whose KV came from a producer
     remote_blocks_pulled: int = 0  # blocks pulled over every group
     remote_bytes_pulled: int = 0
+    remote_load_seconds: float = 0.0  # summed load times (plan to written), for GB/s
     leases_granted: int = 0
 
 
@@ -145,6 +146,7 @@ class KVConnectorScheduler:
         self.counters.remote_load_failures += len(failed)
         self.counters.remote_blocks_pulled += report.blocks_loaded
         self.counters.remote_bytes_pulled += report.bytes_loaded
+        self.counters.remote_load_seconds += report.seconds
         return finished, failed
 
     def load_finished(self, seq: Sequence, spec_tokens: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 import structlog
@@ -42,6 +43,7 @@ log = structlog.get_logger(__name__)
 @dataclass(eq=False)
 class _Load:
     spec: LoadSpec
+    started: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sock: socket.socket | None = None
     blocks: list[list[bytes]] | None = None  # TCP: per group, the pulled bytes
@@ -70,6 +72,7 @@ class KVConnectorWorker:
         self._ready: list[_Load] = []
         self.blocks_loaded = 0
         self.bytes_loaded = 0
+        self.load_seconds = 0.0
 
     @property
     def num_loading(self) -> int:
@@ -119,6 +122,7 @@ class KVConnectorWorker:
                     report.finished.append(rid)
                     report.blocks_loaded += load.spec.num_blocks
                     report.bytes_loaded += n_bytes
+                    report.seconds += time.perf_counter() - load.started
                 else:
                     report.failed[rid] = load.error
             except Exception as exc:  # a write that fails fails the request, not the engine
@@ -128,6 +132,7 @@ class KVConnectorWorker:
                 load.close()
         self.blocks_loaded += report.blocks_loaded
         self.bytes_loaded += report.bytes_loaded
+        self.load_seconds += report.seconds
         return report
 
     def close(self) -> None:
