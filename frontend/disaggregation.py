@@ -218,6 +218,10 @@ class TwoLegCall:
                      or len(tokens) != 1)
             if ended:  # the first token ended the choice (or the leg was aborted): no decode leg
                 prefill_final.ClearField("kv_transfer_params")
+                # Everything the leg sent, whether in one message or in several.
+                del prefill_final.token_ids[:], prefill_final.logprobs[:]
+                prefill_final.token_ids.extend(tokens)
+                prefill_final.logprobs.extend(logprobs)
                 self.stage = "done"
                 yield prefill_final
                 return

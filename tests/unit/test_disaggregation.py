@@ -245,3 +245,12 @@ def test_no_decode_replica_ready_when_the_decode_leg_starts():
     assert err.code() == grpc.StatusCode.UNAVAILABLE and err.replica is None and err.pool is pools.decode
     assert err.details() == "decode leg: no engine replica is ready"
     assert p.aborts == ["r-1-0"]
+
+
+def test_a_first_token_sent_before_the_final_message_is_not_lost():
+    async def main():
+        call, p, d, _ = make([FakeCall([resp([2]), resp([], STOP, 4, 1)])], [], total=10)
+        return await drain(call)
+
+    got = asyncio.run(main())
+    assert len(got) == 1 and list(got[0].token_ids) == [2] and got[0].finish_reason == STOP
