@@ -30,6 +30,7 @@ from tandem.cli_options import (
     ServeArgs,
     ServerArgs,
 )
+from tandem.engine_service.config import KVTransferConfig
 from tandem.startup_checks import StartupError
 
 
@@ -168,8 +169,19 @@ def _child_env(parser_for_engine: argparse.ArgumentParser) -> dict[str, str]:
 
 
 def _kv_role_argv(args, role: str) -> list[str]:
-    """`serve --disaggregated`: an engine child's KV role (its transfer address picks a free port)."""
-    return ["--kv-role", role, "--kv-transfer-address", f"{args.engine_host}:0"]
+    """`serve --disaggregated`: an engine child's KV role, after the shared engine flags (the
+    later flag wins). The producer serves pulls on --kv-transfer-address when one was given, else
+    on a free port of --engine-host; a given --kv-engine-id gets the role as a suffix."""
+    argv = ["--kv-role", role]
+    if role == "producer":
+        given = args.transfer_address
+        argv += ["--kv-transfer-address", given if given != _DEFAULT_KV_ADDRESS else f"{args.engine_host}:0"]
+    if args.engine_id:
+        argv += ["--kv-engine-id", f"{args.engine_id}-{'prefill' if role == 'producer' else 'decode'}"]
+    return argv
+
+
+_DEFAULT_KV_ADDRESS = KVTransferConfig.transfer_address
 
 
 def cmd_serve(args) -> int:

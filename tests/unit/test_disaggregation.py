@@ -254,3 +254,27 @@ def test_a_first_token_sent_before_the_final_message_is_not_lost():
 
     got = asyncio.run(main())
     assert len(got) == 1 and list(got[0].token_ids) == [2] and got[0].finish_reason == STOP
+
+
+def test_cli_flags_of_the_two_pools_and_the_serve_children():
+    from tandem import options
+    from tandem.cli import _disaggregated_engines, _kv_role_argv, build_parser
+    from tandem.startup_checks import StartupError
+
+    parser = build_parser()
+    args = options.parse_args(parser, ["frontend", "--prefill-engine", "a:1", "--prefill-engine", "a:2",
+                                       "--decode-engine", "b:1"])
+    assert _disaggregated_engines(args) == (["a:1", "a:2"], ["b:1"])
+    for argv, flag in ((["--prefill-engine", "a:1"], "--decode-engine"), (["--decode-engine", "b:1"], "--prefill-engine"),
+                       (["--engine", "e:1", "--prefill-engine", "a:1", "--decode-engine", "b:1"], "--engine")):
+        with pytest.raises(StartupError) as err:
+            _disaggregated_engines(options.parse_args(parser, ["frontend", *argv]))
+        assert err.value.flag == flag
+    serve = options.parse_args(parser, ["serve", "--disaggregated", "--engine-host", "10.1.1.1"])
+    assert _kv_role_argv(serve, "producer") == ["--kv-role", "producer", "--kv-transfer-address", "10.1.1.1:0"]
+    assert _kv_role_argv(serve, "consumer") == ["--kv-role", "consumer"]
+    named = options.parse_args(parser, ["serve", "--disaggregated", "--kv-engine-id", "x",
+                                        "--kv-transfer-address", "10.0.0.1:7000"])
+    assert _kv_role_argv(named, "producer") == ["--kv-role", "producer", "--kv-transfer-address", "10.0.0.1:7000",
+                                                "--kv-engine-id", "x-prefill"]
+    assert _kv_role_argv(named, "consumer") == ["--kv-role", "consumer", "--kv-engine-id", "x-decode"]
