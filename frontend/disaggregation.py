@@ -191,9 +191,9 @@ class TwoLegCall:
         self.leg = None  # the engine call in progress
         self.stage = "new"  # new -> prefill -> between -> decode -> done
         self.cancelled = False
-        # True from the start of a prefill leg that keeps KV until a decode leg takes the lease
-        # over (and again if that leg is refused before it starts): a lease may then exist that
-        # only this call can release.
+        # True while a lease may exist that only this call can release: from the start of a
+        # prefill leg that keeps KV (until its final message says whether it kept one) until a
+        # decode leg takes the lease over, and again if that leg is refused before it starts.
         self._lease_held = False
 
     def _remaining(self) -> float | None:
@@ -214,6 +214,8 @@ class TwoLegCall:
             self.stage = "prefill"
             self._lease_held = two_legs
             prefill_final, tokens, logprobs = await self._run_prefill(prefill_leg_request(self.request, two_legs))
+            # The leg ended normally: its final message says whether the producer kept a lease.
+            self._lease_held = two_legs and bool(prefill_final.kv_transfer_params.lease_id)
             ended = (prefill_final.finish_reason != common_pb2.FINISH_REASON_LENGTH or not two_legs
                      or len(tokens) != 1)
             if ended:  # the first token ended the choice (or the leg was aborted): no decode leg

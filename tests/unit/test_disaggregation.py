@@ -278,3 +278,17 @@ def test_cli_flags_of_the_two_pools_and_the_serve_children():
     assert _kv_role_argv(named, "producer") == ["--kv-role", "producer", "--kv-transfer-address", "10.0.0.1:7000",
                                                 "--kv-engine-id", "x-prefill"]
     assert _kv_role_argv(named, "consumer") == ["--kv-role", "consumer", "--kv-engine-id", "x-decode"]
+
+
+def test_no_release_when_the_producer_kept_no_lease():
+    async def main():
+        stop, p1, _, _ = make([FakeCall([resp([2], STOP, 4, 1)])], [], total=10)  # a producer keeps nothing
+        await drain(stop)
+        plain, p2, d2, _ = make([FakeCall([resp([11], LENGTH, 4, 1)])], [FakeCall([resp([12], LENGTH, 5, 1)])], 3)
+        got = await drain(plain)  # a prefill engine without a KV role: no lease, the decode leg recomputes
+        return p1, p2, d2, got
+
+    p1, p2, d2, got = asyncio.run(main())
+    assert p1.aborts == [] and p2.aborts == []
+    assert not d2.sent[0].HasField("kv_transfer_params")
+    assert [list(r.token_ids) for r in got] == [[11], [12]]
