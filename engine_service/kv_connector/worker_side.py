@@ -1,11 +1,12 @@
 """The connector's worker side: runs the loads a step plan names and writes them into the cache.
 
 `KVConnectorWorker.apply(metadata)` (each plan, before the step runs) cancels the loads the plan
-cancels, then starts the new ones, each on a background thread that only talks to the producer
-(TCP: receives and checks every block's bytes; CUDA IPC: the handshake, opening the producer's
-tensors). `poll()` (the worker's thread, between steps) writes every finished load into the
-cache tensors — so the cache is only ever written by the thread that runs the model, in stream
-order with its steps — and returns a `KVLoadReport`. A cancelled load's result is dropped unread:
+cancels, releases the leases it names, then starts the new loads, each on a background thread
+that only talks to the producer (TCP: receives and checks every block's bytes; CUDA IPC: the
+handshake, opening the producer's tensors). `poll()` (right after `apply`, on the worker's
+thread, before the step's forward) writes every finished load into the cache tensors — so the
+cache is only ever written by the thread that runs the model, in stream order with its steps,
+and never for a load the same plan cancelled — and returns a `KVLoadReport`. A cancelled load's result is dropped unread:
 its blocks may already belong to another request.
 
 Invariants: a load id is in `_loads` from `apply` until `poll` reports it (finished or failed)
@@ -27,7 +28,7 @@ import torch
 from tandem.engine_service.kv_connector.block_io import KVBlockIO
 from tandem.engine_service.kv_connector.cuda_ipc import IpcChannel
 from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, KVLoadReport, LoadSpec
-from tandem.engine_service.kv_connector.tcp_transport import TransferError, connect, pull_blocks
+from tandem.engine_service.kv_connector.tcp_transport import TransferError, connect, pull_blocks, release_lease
 from tandem.engine_service.kv_connector.wire import (
     IpcHandles,
     IpcHandlesRequest,
@@ -86,6 +87,9 @@ class KVConnectorWorker:
             if load is not None:
                 load.cancelled.set()
                 load.close()
+        for host, port, lease_id in metadata.release_leases:
+            threading.Thread(target=release_lease, args=(host, port, lease_id), name="tandem-kv-release",
+                             daemon=True).start()
         for spec in metadata.start_loads:
             if spec.request_id in self._loads:
                 raise ValueError(f"a load for {spec.request_id} is already running")

@@ -293,7 +293,9 @@ def test_admit_load_refuses_bad_parameters_and_leaves_nothing_allocated():
         with pytest.raises(LoadRefused, match=error):
             kv.admit_load(seq)
         assert bm.num_free_blocks == 32
-    # A cancelled load that was never sent leaves no metadata behind.
+    # A load cancelled before its plan was sent becomes a release of its lease.
+    meta = kv.take_metadata()
+    assert meta.start_loads == [] and meta.cancel_loads == [] and meta.release_leases == [("127.0.0.1", 9, "L")]
     assert kv.take_metadata() is None
 
 
@@ -361,6 +363,13 @@ def test_worker_pulls_writes_and_drops_cancelled_loads():
         time.sleep(0.2)
         assert not worker.poll()
         assert dst_io.read_blocks(0, [3]) == before
+        # A lease named for release (its load was cancelled before it started) is released.
+        lease3 = table.grant("p3", LeasedBlocks("p3", [[5]]), 30)
+        worker.apply(KVConnectorMetadata(release_leases=[(srv.host, srv.port, lease3.lease_id)]))
+        deadline = time.monotonic() + 5
+        while lease3.lease_id not in {x.lease_id for x in table.take_releasable()}:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         # A failed load is reported with why.
         spec3 = LoadSpec(request_id="f", remote_engine_id="prod", remote_host=srv.host, remote_port=srv.port,
                          lease_id="gone", transport="tcp", remote_block_ids=[[1]], local_block_ids=[[3]], num_tokens=4)
