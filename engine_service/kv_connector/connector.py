@@ -86,9 +86,11 @@ def build_kv_connector(config: KVTransferConfig, block_manager: BlockManager, ru
             raise ValueError(f"--kv-transport {config.transport} needs {why}")
         host, port = config.host_port()
         export = (lambda: ipc.export_handles(block_io)) if ipc is not None else None
-        nixl_export = (lambda: nixl().memory()) if nixl is not None and config.transport == "nixl" else None
-        if nixl_export is not None:
-            nixl()  # register the cache before the first pull, not during it
+        # Every transport this engine has is served (a decode leg may ask for any of them); the
+        # advertised one's NIXL registration happens now rather than during the first pull.
+        nixl_export = (lambda: nixl().memory()) if nixl is not None else None
+        if config.transport == "nixl" and nixl is not None:
+            nixl()
         server = KVPullServer(host, port, leases, block_io.read_blocks, ipc_export=export,
                               nixl_export=nixl_export).start()
     address = (server.host, server.port) if server is not None else None
