@@ -112,7 +112,7 @@ class ModelConfig:
 
 
 KV_ROLES = ("none", "producer", "consumer", "both")
-KV_TRANSPORTS = ("tcp", "cuda_ipc")
+KV_TRANSPORTS = ("tcp", "cuda_ipc", "nixl")
 
 
 @dataclass
@@ -133,9 +133,10 @@ class KVTransferConfig:
                                  flag="kv-transfer-address")
     lease_seconds: float = _opt(30.0, "how long a producer keeps a prefill's blocks for the decode leg",
                                 flag="kv-lease-seconds")
-    transport: str = _opt("tcp", "how a producer's blocks are pulled: tcp (any host, CPU or GPU) or cuda_ipc "
-                          "(two processes on one host's GPUs; the pull address still carries the handshake)",
-                          flag="kv-transport", choices=KV_TRANSPORTS)
+    transport: str = _opt("tcp", "how a producer's blocks are pulled: tcp (any host, CPU or GPU), cuda_ipc "
+                          "(two processes on one host's GPUs) or nixl (NIXL/UCX READs, needs nixl-cu13 on both "
+                          "engines); the pull address carries the handshake", flag="kv-transport",
+                          choices=KV_TRANSPORTS)
 
     @property
     def is_producer(self) -> bool:

@@ -141,8 +141,7 @@ class LLMEngine:
         idle engine core, so a lease's blocks return without new requests)."""
         if self.kv is None:
             return
-        if self.kv.worker is not None:
-            self.scheduler.loads_done(self.kv.worker.poll())
+        self.scheduler.loads_done(self.worker.take_kv_report())
         self.kv.scheduler.sweep()
 
     def close(self) -> None:

@@ -3,6 +3,7 @@ side (consumers) and the pull server (producers), and reports what it offers (MO
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,11 +14,27 @@ from tandem.engine_service.kv_cache import BlockManager
 from tandem.engine_service.kv_connector.block_io import KVBlockIO
 from tandem.engine_service.kv_connector.cuda_ipc import CudaIpcChannel, IpcChannel
 from tandem.engine_service.kv_connector.leases import LeaseTable
+from tandem.engine_service.kv_connector.nixl_transport import NixlEndpoint, nixl_available
 from tandem.engine_service.kv_connector.scheduler_side import KVConnectorScheduler, new_engine_id
 from tandem.engine_service.kv_connector.tcp_transport import KVPullServer
 from tandem.engine_service.kv_connector.worker_side import KVConnectorWorker
 
 log = structlog.get_logger(__name__)
+
+
+class _LazyNixl:
+    """This engine's NIXL endpoint, made (agent created, cache registered) on first use."""
+
+    def __init__(self, name: str, block_io: KVBlockIO) -> None:
+        self._name, self._io = name, block_io
+        self._endpoint: NixlEndpoint | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> NixlEndpoint:
+        with self._lock:
+            if self._endpoint is None:
+                self._endpoint = NixlEndpoint(self._name, self._io)
+            return self._endpoint
 
 
 @dataclass
@@ -57,17 +74,27 @@ def build_kv_connector(config: KVTransferConfig, block_manager: BlockManager, ru
     engine_id = config.engine_id or new_engine_id()
     if ipc is None and block_io.device.type == "cuda":
         ipc = CudaIpcChannel()
-    transports = ("tcp", "cuda_ipc") if ipc is not None else ("tcp",)
+    has_nixl = nixl_available()
+    transports = ("tcp",) + (("cuda_ipc",) if ipc is not None else ()) + (("nixl",) if has_nixl else ())
+    nixl = _LazyNixl(engine_id, block_io) if has_nixl else None
     leases = LeaseTable()
     server = None
     if config.is_producer:
-        if config.transport == "cuda_ipc" and ipc is None:
-            raise ValueError("--kv-transport cuda_ipc needs the KV cache on a CUDA device")
+        if config.transport not in transports:
+            why = {"cuda_ipc": "the KV cache on a CUDA device", "nixl": "the nixl-cu13 package (pip install "
+                   "'tandem-serve[nixl]')"}[config.transport]
+            raise ValueError(f"--kv-transport {config.transport} needs {why}")
         host, port = config.host_port()
         export = (lambda: ipc.export_handles(block_io)) if ipc is not None else None
-        server = KVPullServer(host, port, leases, block_io.read_blocks, ipc_export=export).start()
+        # Every transport this engine has is served (a decode leg may ask for any of them); the
+        # advertised one's NIXL registration happens now rather than during the first pull.
+        nixl_export = (lambda: nixl().memory()) if nixl is not None else None
+        if config.transport == "nixl" and nixl is not None:
+            nixl()
+        server = KVPullServer(host, port, leases, block_io.read_blocks, ipc_export=export,
+                              nixl_export=nixl_export).start()
     address = (server.host, server.port) if server is not None else None
     scheduler = KVConnectorScheduler(config, block_manager, engine_id, address, leases, transports)
-    worker = KVConnectorWorker(block_io, ipc) if config.is_consumer else None
+    worker = KVConnectorWorker(block_io, ipc, nixl=nixl) if config.is_consumer else None
     log.info("kv_connector_ready", role=config.role, engine_id=engine_id, address=address, transports=transports)
     return KVConnector(config, engine_id, scheduler, worker, server, transports)

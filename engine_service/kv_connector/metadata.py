@@ -46,9 +46,12 @@ class KVConnectorMetadata(msgspec.Struct, kw_only=True):
 
     start_loads: list[LoadSpec] = msgspec.field(default_factory=list)
     cancel_loads: list[str] = msgspec.field(default_factory=list)
+    # Leases to release without pulling (a load cancelled before any worker started it):
+    # (host, port, lease id) of each.
+    release_leases: list[tuple[str, int, str]] = msgspec.field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.start_loads or self.cancel_loads)
+        return bool(self.start_loads or self.cancel_loads or self.release_leases)
 
 
 class KVLoadReport(msgspec.Struct, kw_only=True):
@@ -62,3 +65,10 @@ class KVLoadReport(msgspec.Struct, kw_only=True):
 
     def __bool__(self) -> bool:
         return bool(self.finished or self.failed)
+
+    def merge(self, other: "KVLoadReport") -> None:
+        self.finished += other.finished
+        self.failed.update(other.failed)
+        self.blocks_loaded += other.blocks_loaded
+        self.bytes_loaded += other.bytes_loaded
+        self.seconds += other.seconds

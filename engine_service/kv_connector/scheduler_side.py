@@ -15,7 +15,9 @@ of the prefill id) or expired — the only place leased blocks go back to the po
 
 Invariants: a request id is in `_loading` from `admit_load` until `loads_done` or `cancel_load`;
 its LoadSpec is sent in exactly one plan, and a cancellation of a load the worker may hold is
-sent in one plan too; leased blocks are owned by exactly one lease and freed exactly once.
+sent in one plan too (a load cancelled before its plan was sent becomes a lease release, so the
+producer never waits for expiry); leased blocks are owned by exactly one lease and freed exactly
+once.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class KVConnectorScheduler:
         self._loading: dict[str, LoadSpec] = {}
         self._start: list[LoadSpec] = []
         self._cancel: list[str] = []
+        self._release: list[tuple[str, int, str]] = []
 
     # -- consumer ----------------------------------------------------------------------------------
     def needs_load(self, seq: Sequence) -> bool:
@@ -163,28 +166,24 @@ class KVConnectorScheduler:
         if spec is None:
             return
         if spec in self._start:
-            self._start.remove(spec)  # never sent: the worker never heard of it
-            self._cancel_unsent(spec)
+            # Never sent: the worker never heard of it, but the producer still holds the lease.
+            self._start.remove(spec)
+            self._release.append((spec.remote_host, spec.remote_port, spec.lease_id))
         else:
             self._cancel.append(request_id)
-
-    def _cancel_unsent(self, spec: LoadSpec) -> None:
-        # The producer still holds the lease; a zero-block pull would release it, but the
-        # request is gone. Expiry frees it (the lease's ttl bounds the cost).
-        log.info("kv_load_cancelled_before_start", request_id=spec.request_id, lease_id=spec.lease_id)
 
     @property
     def num_loading(self) -> int:
         return len(self._loading)
 
     def has_pending_metadata(self) -> bool:
-        return bool(self._start or self._cancel)
+        return bool(self._start or self._cancel or self._release)
 
     def take_metadata(self) -> KVConnectorMetadata | None:
-        if not (self._start or self._cancel):
+        if not self.has_pending_metadata():
             return None
-        meta = KVConnectorMetadata(start_loads=self._start, cancel_loads=self._cancel)
-        self._start, self._cancel = [], []
+        meta = KVConnectorMetadata(start_loads=self._start, cancel_loads=self._cancel, release_leases=self._release)
+        self._start, self._cancel, self._release = [], [], []
         return meta
 
     # -- producer ----------------------------------------------------------------------------------

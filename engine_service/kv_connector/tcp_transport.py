@@ -3,7 +3,8 @@
 `KVPullServer` (producer) listens on the engine's KV address; one thread per connection serves
 one message (`wire.py`): a `PullRequest` is answered with one `BlockFrame` per block (bytes read
 by `read_blocks`, CRC32 computed before sending) and a `PullEnd`; a lease it does not hold, or a
-block id outside the lease, gets a `PullError`. The lease is pinned while its blocks are read and
+block id outside the lease, gets a `PullError`. A CUDA IPC or NIXL handshake is answered with
+what the consumer needs to copy the blocks itself, and the connection stays open until it did. The lease is pinned while its blocks are read and
 released when the connection ends, whatever happened. The server never touches the block
 manager: a release is recorded in the lease table and freed by the engine-core thread.
 
@@ -25,6 +26,8 @@ from tandem.engine_service.kv_connector.wire import (
     BlockFrame,
     IpcHandles,
     IpcHandlesRequest,
+    NixlHandshake,
+    NixlMemory,
     PullEnd,
     PullError,
     PullRequest,
@@ -53,10 +56,12 @@ class KVPullServer:
 
     def __init__(self, host: str, port: int, leases: LeaseTable, read_blocks: BlockReader,
                  ipc_export: Callable[[], IpcHandles] | None = None,
-                 on_release: Callable[[], None] | None = None) -> None:
+                 on_release: Callable[[], None] | None = None,
+                 nixl_export: Callable[[], NixlMemory] | None = None) -> None:
         self.leases = leases
         self.read_blocks = read_blocks
         self.ipc_export = ipc_export
+        self.nixl_export = nixl_export
         self.on_release = on_release or (lambda: None)
         self.tamper: Callable[[bytes], bytes] | None = None
         self.frames_sent = 0
@@ -97,7 +102,7 @@ class KVPullServer:
                 self.leases.request_release(msg.lease_id)
                 send_message(conn, PullEnd(num_frames=0))
                 return
-            if not isinstance(msg, (PullRequest, IpcHandlesRequest)):
+            if not isinstance(msg, (PullRequest, IpcHandlesRequest, NixlHandshake)):
                 send_message(conn, PullError(message=f"unexpected message {type(msg).__name__}"))
                 return
             tables = self.leases.pin(msg.lease_id)
@@ -106,7 +111,9 @@ class KVPullServer:
                 return
             lease_id = msg.lease_id
             if isinstance(msg, IpcHandlesRequest):
-                self._serve_ipc(conn)
+                self._serve_handshake(conn, self.ipc_export, "cuda_ipc")
+            elif isinstance(msg, NixlHandshake):
+                self._serve_handshake(conn, self.nixl_export, "nixl")
             else:
                 self._serve_pull(conn, msg, tables)
         except (OSError, WireError) as exc:
@@ -139,11 +146,11 @@ class KVPullServer:
         self.frames_sent += n
         send_message(conn, PullEnd(num_frames=n))
 
-    def _serve_ipc(self, conn: socket.socket) -> None:
-        if self.ipc_export is None:
-            send_message(conn, PullError(message="this producer does not offer cuda_ipc"))
+    def _serve_handshake(self, conn: socket.socket, export: Callable | None, name: str) -> None:
+        if export is None:
+            send_message(conn, PullError(message=f"this producer does not offer {name}"))
             return
-        send_message(conn, self.ipc_export())
+        send_message(conn, export())
         # The consumer copies while the lease stays pinned, then closes (or sends anything).
         conn.settimeout(120)
         try:

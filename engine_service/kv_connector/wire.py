@@ -2,7 +2,8 @@
 
 A pull is one TCP connection from the consumer to the producer's KV address:
 
-    consumer -> PullRequest(lease_id, block ids per group)      (or ReleaseLease, or IpcHandlesRequest)
+    consumer -> PullRequest(lease_id, block ids per group)      (or ReleaseLease, IpcHandlesRequest,
+                                                                 NixlHandshake)
     producer -> BlockFrame * n, then PullEnd(n)                 (or PullError(message) at any point)
 
 Each frame is a 4-byte big-endian length and a msgpack body (a tagged union, so one decoder reads
@@ -25,6 +26,18 @@ MAX_FRAME_BYTES = 1 << 31  # a frame claiming more is corrupt (a block of one gr
 _LEN = struct.Struct(">I")
 
 
+class LayerRegion(msgspec.Struct, array_like=True):
+    """Where one layer's blocks lie in a producer's memory: block b's chunk c starts at
+    `base + b * block_stride + c * chunk_stride` and is `chunk_bytes` long (2 chunks, K and V,
+    for attention layers; 1 for latent layers)."""
+
+    base: int
+    block_stride: int
+    chunk_stride: int
+    chunk_bytes: int
+    num_chunks: int
+
+
 class PullRequest(msgspec.Struct, tag="pull", kw_only=True):
     """Send these of the lease's blocks, per paged group (ids in the producer's tables)."""
 
@@ -40,6 +53,12 @@ class ReleaseLease(msgspec.Struct, tag="release", kw_only=True):
 
 class IpcHandlesRequest(msgspec.Struct, tag="ipc_handles", kw_only=True):
     """CUDA IPC handshake: the producer's cache tensors' handles for this lease's pull."""
+
+    lease_id: str
+
+
+class NixlHandshake(msgspec.Struct, tag="nixl_handshake", kw_only=True):
+    """NIXL: the producer's agent metadata and block layout for this lease's pull."""
 
     lease_id: str
 
@@ -72,7 +91,17 @@ class IpcHandles(msgspec.Struct, tag="ipc", kw_only=True):
     groups: list[list[list]]
 
 
-WireMessage = Union[PullRequest, ReleaseLease, IpcHandlesRequest, BlockFrame, PullEnd, PullError, IpcHandles]
+class NixlMemory(msgspec.Struct, tag="nixl", kw_only=True):
+    """The producer's NIXL agent metadata, its device, and per paged group, per layer, where each
+    block's chunks lie (`nixl_transport.LayerRegion` fields)."""
+
+    agent_metadata: bytes
+    device_id: int
+    groups: list[list[LayerRegion]]
+
+
+WireMessage = Union[PullRequest, ReleaseLease, IpcHandlesRequest, NixlHandshake, BlockFrame, PullEnd, PullError,
+                    IpcHandles, NixlMemory]
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(WireMessage)

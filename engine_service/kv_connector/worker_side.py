@@ -1,11 +1,13 @@
 """The connector's worker side: runs the loads a step plan names and writes them into the cache.
 
 `KVConnectorWorker.apply(metadata)` (each plan, before the step runs) cancels the loads the plan
-cancels, then starts the new ones, each on a background thread that only talks to the producer
-(TCP: receives and checks every block's bytes; CUDA IPC: the handshake, opening the producer's
-tensors). `poll()` (the worker's thread, between steps) writes every finished load into the
-cache tensors — so the cache is only ever written by the thread that runs the model, in stream
-order with its steps — and returns a `KVLoadReport`. A cancelled load's result is dropped unread:
+cancels, releases the leases it names, then starts the new loads, each on a background thread
+that only talks to the producer (TCP: receives and checks every block's bytes; CUDA IPC: the
+handshake, opening the producer's tensors; NIXL: the handshake and the READ into the local
+blocks, waited for when cancelled). `poll()` (right after `apply`, on the worker's
+thread, before the step's forward) writes every finished load into the cache tensors — so the
+cache is only ever written by the thread that runs the model, in stream order with its steps,
+and never for a load the same plan cancelled — and returns a `KVLoadReport`. A cancelled load's result is dropped unread:
 its blocks may already belong to another request.
 
 Invariants: a load id is in `_loads` from `apply` until `poll` reports it (finished or failed)
@@ -19,6 +21,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -27,10 +30,13 @@ import torch
 from tandem.engine_service.kv_connector.block_io import KVBlockIO
 from tandem.engine_service.kv_connector.cuda_ipc import IpcChannel
 from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, KVLoadReport, LoadSpec
-from tandem.engine_service.kv_connector.tcp_transport import TransferError, connect, pull_blocks
+from tandem.engine_service.kv_connector.nixl_transport import NixlEndpoint
+from tandem.engine_service.kv_connector.tcp_transport import TransferError, connect, pull_blocks, release_lease
 from tandem.engine_service.kv_connector.wire import (
     IpcHandles,
     IpcHandlesRequest,
+    NixlHandshake,
+    NixlMemory,
     PullError,
     WireError,
     recv_message,
@@ -48,7 +54,9 @@ class _Load:
     sock: socket.socket | None = None
     blocks: list[list[bytes]] | None = None  # TCP: per group, the pulled bytes
     remote: list[list[torch.Tensor]] | None = None  # CUDA IPC: the producer's layer tensors
+    written: bool = False  # NIXL: the READ already put the blocks in place
     error: str | None = None
+    ended: threading.Event = field(default_factory=threading.Event)  # the load thread is done
 
     def close(self) -> None:
         sock, self.sock = self.sock, None
@@ -63,9 +71,11 @@ class _Load:
 class KVConnectorWorker:
     """Starts, cancels and completes KV loads for one worker (see the module docstring)."""
 
-    def __init__(self, block_io: KVBlockIO, ipc: IpcChannel | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, block_io: KVBlockIO, ipc: IpcChannel | None = None, timeout_s: float = 60.0,
+                 nixl: Callable[[], NixlEndpoint] | None = None) -> None:
         self.block_io = block_io
         self.ipc = ipc
+        self.nixl = nixl  # the consumer's NIXL endpoint, made on first use (None: no NIXL here)
         self.timeout_s = timeout_s
         self._loads: dict[str, _Load] = {}
         self._done: queue.Queue[_Load] = queue.Queue()
@@ -85,7 +95,14 @@ class KVConnectorWorker:
             load = self._loads.pop(rid, None)
             if load is not None:
                 load.cancelled.set()
+                if load.spec.transport == "nixl":
+                    # A READ in flight writes into the request's blocks: let it end before they
+                    # may change hands (the READ has its own timeout).
+                    load.ended.wait(self.timeout_s + 5)
                 load.close()
+        for host, port, lease_id in metadata.release_leases:
+            threading.Thread(target=release_lease, args=(host, port, lease_id), name="tandem-kv-release",
+                             daemon=True).start()
         for spec in metadata.start_loads:
             if spec.request_id in self._loads:
                 raise ValueError(f"a load for {spec.request_id} is already running")
@@ -146,7 +163,9 @@ class KVConnectorWorker:
         spec, io = load.spec, self.block_io
         n_bytes = 0
         for g, local in enumerate(spec.local_block_ids):
-            if load.remote is not None:
+            if load.written:
+                pass
+            elif load.remote is not None:
                 io.copy_blocks_from(g, load.remote[g], spec.remote_block_ids[g], local)
             else:
                 assert load.blocks is not None
@@ -166,6 +185,10 @@ class KVConnectorWorker:
                 return
             if spec.transport == "cuda_ipc":
                 load.remote = self._open_ipc(load)
+            elif spec.transport == "nixl":
+                self._read_nixl(load)
+                load.written = True
+                load.close()
             else:
                 load.blocks = pull_blocks(load.sock, spec.lease_id, spec.remote_block_ids, self.block_io.block_bytes)
                 load.close()  # the producer releases the lease as soon as the pull is complete
@@ -179,21 +202,36 @@ class KVConnectorWorker:
             if load.error is not None:
                 load.close()
                 log.warning("kv_load_failed", request_id=spec.request_id, error=load.error)
+            load.ended.set()
             self._done.put(load)
+
+    def _handshake(self, load: _Load, request, expected: type, name: str):
+        assert load.sock is not None
+        try:
+            send_message(load.sock, request)
+            msg = recv_message(load.sock)
+        except (OSError, WireError) as exc:
+            raise TransferError(f"{name} handshake failed: {exc}") from None
+        if isinstance(msg, PullError):
+            raise TransferError(f"producer refused the pull: {msg.message}")
+        if not isinstance(msg, expected):
+            raise TransferError(f"unexpected {type(msg).__name__} in a {name} handshake")
+        return msg
+
+    def _read_nixl(self, load: _Load) -> None:
+        if self.nixl is None:
+            raise TransferError("NIXL is not installed on this engine")
+        memory: NixlMemory = self._handshake(load, NixlHandshake(lease_id=load.spec.lease_id), NixlMemory, "NIXL")
+        try:
+            self.nixl().read(memory.agent_metadata, memory.device_id, memory.groups, load.spec.remote_block_ids,
+                             load.spec.local_block_ids, self.timeout_s)
+        except RuntimeError as exc:
+            raise TransferError(str(exc)) from None
 
     def _open_ipc(self, load: _Load) -> list[list[torch.Tensor]]:
         if self.ipc is None:
             raise TransferError("this engine has no CUDA IPC channel")
-        assert load.sock is not None
-        try:
-            send_message(load.sock, IpcHandlesRequest(lease_id=load.spec.lease_id))
-            msg = recv_message(load.sock)
-        except (OSError, WireError) as exc:
-            raise TransferError(f"CUDA IPC handshake failed: {exc}") from None
-        if isinstance(msg, PullError):
-            raise TransferError(f"producer refused the pull: {msg.message}")
-        if not isinstance(msg, IpcHandles):
-            raise TransferError(f"unexpected {type(msg).__name__} in a CUDA IPC handshake")
+        msg = self._handshake(load, IpcHandlesRequest(lease_id=load.spec.lease_id), IpcHandles, "CUDA IPC")
         remote = self.ipc.open_handles(msg)
         if len(remote) != self.block_io.num_groups:
             raise TransferError(f"producer has {len(remote)} cache groups, this engine {self.block_io.num_groups}")

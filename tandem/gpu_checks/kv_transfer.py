@@ -97,8 +97,14 @@ def serve_child(args: argparse.Namespace) -> int:
     lease_ids = [leases.grant(f"r{i}", LeasedBlocks(f"r{i}", [list(ids) for _ in io.layers]), 3600).lease_id
                  for i in range(args.leases)]
     ipc = CudaIpcChannel() if device.type == "cuda" else None
+    nixl = None
+    if "nixl" in args.transports:
+        from tandem.engine_service.kv_connector.nixl_transport import NixlEndpoint
+
+        nixl = NixlEndpoint("kv-check-producer", io)
     server = KVPullServer("127.0.0.1", 0, leases, io.read_blocks,
-                          ipc_export=(lambda: ipc.export_handles(io)) if ipc is not None else None).start()
+                          ipc_export=(lambda: ipc.export_handles(io)) if ipc is not None else None,
+                          nixl_export=nixl.memory if nixl is not None else None).start()
     print(json.dumps({"port": server.port, "leases": lease_ids}), flush=True)
     sys.stdin.read()  # the parent closes stdin when done
     server.close()
@@ -143,7 +149,7 @@ def part_pull(args: argparse.Namespace) -> dict[str, Any]:
     child = subprocess.Popen(
         [sys.executable, "-P", "-m", "tandem.gpu_checks.kv_transfer", CHILD_FLAG, "--device", args.device,
          "--model", args.model, "--blocks", str(n), "--block-size", str(args.block_size),
-         "--leases", str(len(args.transports) * (args.reps + 1))],
+         "--leases", str(len(args.transports) * (args.reps + 1)), "--transports", ",".join(args.transports)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         hello = _read_hello(child)
@@ -152,7 +158,13 @@ def part_pull(args: argparse.Namespace) -> dict[str, Any]:
         _, local, io = _filled_cache(args.model, n + 1, args.block_size, device)
         _, expected, expected_io = _filled_cache(args.model, n, args.block_size, device)
         _fill(expected, device)
-        worker = KVConnectorWorker(io, CudaIpcChannel() if device.type == "cuda" else None, timeout_s=600)
+        nixl = None
+        if "nixl" in args.transports:
+            from tandem.engine_service.kv_connector.nixl_transport import NixlEndpoint
+
+            endpoint = NixlEndpoint("kv-check-consumer", io)
+            nixl = lambda: endpoint  # noqa: E731
+        worker = KVConnectorWorker(io, CudaIpcChannel() if device.type == "cuda" else None, timeout_s=600, nixl=nixl)
         remote_ids = [list(range(n)) for _ in io.layers]
         local_ids = [list(range(n, 0, -1)) for _ in io.layers]
         nbytes = sum(n * b for b in io.block_bytes)
@@ -289,11 +301,12 @@ def part_engines(args: argparse.Namespace) -> dict[str, Any]:
 
         g = torch.Generator().manual_seed(0)
         vocab = int(get_dummy_config(args.model.removeprefix("dummy:"))["vocab_size"])
-        prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
         out: dict[str, Any] = {"prompts": args.prompts, "prompt_len": args.prompt_len, "transports": {}}
         ok = True
-        refs = [call(pstub, f"ref{i}", p, args.output_len)[0] for i, p in enumerate(prompts)]
         for transport in args.transports:
+            # Fresh prompts per transport: the consumer's prefix cache holds the earlier ones.
+            prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+            refs = [call(pstub, f"{transport}-ref{i}", p, args.output_len)[0] for i, p in enumerate(prompts)]
             before = stats()
             mismatches = []
             for i, p in enumerate(prompts):
@@ -363,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="folder for kv_transfer.json and the engines' logs")
     parser.add_argument("--model", default="dummy:qwen3-8b")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--transports", type=lambda s: s.split(","), default=["cuda_ipc", "tcp"])
+    parser.add_argument("--transports", type=lambda s: s.split(","), default=["cuda_ipc", "tcp"],
+                        help="comma-separated: cuda_ipc, tcp, nixl (nixl: the nixl extra installed)")
     parser.add_argument("--blocks", type=int, default=512, help="pull part: blocks pulled (16 tokens each)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)

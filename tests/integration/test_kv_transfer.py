@@ -217,7 +217,18 @@ def test_shared_prefix_pulls_only_new_blocks(reference, producer, consumer):
     assert consumer.engine.stats().kv_remote_blocks_pulled - pulled_before == new_blocks
     assert producer.engine.kv.server.frames_sent - frames_before == new_blocks
     assert decoded["b"].final.num_cached_prompt_tokens == 20
+    # A prompt the consumer holds whole (six full blocks of "a"): nothing to pull, and the
+    # producer's lease is still released (an empty pull).
+    third = {"c": first["a"][:24]}
+    pulled_before = consumer.engine.stats().kv_remote_blocks_pulled
+    legs = prefill_leg(producer, third)
+    decoded = decode_leg(consumer, third, legs, 4)
+    ref = run(reference, [request("c", third["c"], 4)])
+    assert legs["c"].tokens + decoded["c"].tokens == ref["c"].tokens
+    assert consumer.engine.stats().kv_remote_blocks_pulled == pulled_before
+    assert decoded["c"].final.num_cached_prompt_tokens == 24
     assert_all_free(producer, consumer)
+    assert producer.engine.stats().kv_leases_expired == 0
 
 
 def test_lease_expiry_frees_the_producer_and_a_late_decode_leg_fails_cleanly(consumer):

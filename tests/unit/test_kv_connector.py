@@ -293,7 +293,9 @@ def test_admit_load_refuses_bad_parameters_and_leaves_nothing_allocated():
         with pytest.raises(LoadRefused, match=error):
             kv.admit_load(seq)
         assert bm.num_free_blocks == 32
-    # A cancelled load that was never sent leaves no metadata behind.
+    # A load cancelled before its plan was sent becomes a release of its lease.
+    meta = kv.take_metadata()
+    assert meta.start_loads == [] and meta.cancel_loads == [] and meta.release_leases == [("127.0.0.1", 9, "L")]
     assert kv.take_metadata() is None
 
 
@@ -361,6 +363,13 @@ def test_worker_pulls_writes_and_drops_cancelled_loads():
         time.sleep(0.2)
         assert not worker.poll()
         assert dst_io.read_blocks(0, [3]) == before
+        # A lease named for release (its load was cancelled before it started) is released.
+        lease3 = table.grant("p3", LeasedBlocks("p3", [[5]]), 30)
+        worker.apply(KVConnectorMetadata(release_leases=[(srv.host, srv.port, lease3.lease_id)]))
+        deadline = time.monotonic() + 5
+        while lease3.lease_id not in {x.lease_id for x in table.take_releasable()}:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         # A failed load is reported with why.
         spec3 = LoadSpec(request_id="f", remote_engine_id="prod", remote_host=srv.host, remote_port=srv.port,
                          lease_id="gone", transport="tcp", remote_block_ids=[[1]], local_block_ids=[[3]], num_tokens=4)
@@ -389,3 +398,52 @@ def test_bench_disagg_shape_arguments():
     assert "--kv-role" not in disagg  # serve --disaggregated gives each engine its role
     with pytest.raises(ValueError, match="unknown shape"):
         shape_args("triple", flags, 100, None)
+
+
+# -- NIXL: where each block's chunks lie (pure arithmetic, no NIXL needed) --------------------------
+
+
+def test_nixl_descriptors_point_at_each_blocks_k_and_v_chunks():
+    from tandem.engine_service.kv_connector.nixl_transport import chunk_descriptors, layer_regions
+
+    layout = _layout()
+    tensors = _tensors(layout, 4)
+    io = KVBlockIO(layout, tensors)
+    regions = layer_regions(io)
+    ids = [3, 0, 9]
+    for g, layers in enumerate(io.layers):
+        rows = chunk_descriptors(regions[g], ids, 7)
+        expected = []
+        for t, dim in layers:  # (layer, chunk, block) order
+            chunks = [t[c] for c in range(2)] if dim == 1 else [t]
+            for chunk in chunks:
+                for b in ids:
+                    part = chunk[b]
+                    assert part.is_contiguous()
+                    expected.append((part.data_ptr(), part.numel() * part.element_size(), 7))
+        assert [tuple(int(x) for x in r) for r in rows] == expected
+
+
+def test_nixl_transport_pulls_between_two_engines():
+    """Both engines on CPU with NIXL (UCX over the host); runs where nixl-cu13 is installed
+    (`pip install 'tandem-serve[nixl]'`)."""
+    pytest.importorskip("nixl_cu13")
+    from tests.integration.test_kv_transfer import (
+        assert_all_free, decode_leg, make_core, prefill_leg, prompt, request, run)
+
+    ref, producer, consumer = make_core("none"), make_core("producer", transport="nixl"), make_core("consumer")
+    try:
+        assert "nixl" in consumer.engine.kv.transports
+        prompts = {f"n{i}": prompt(70 + i, n) for i, n in enumerate([9, 26, 40])}
+        expected = run(ref, [request(rid, t, 5) for rid, t in prompts.items()])
+        legs = prefill_leg(producer, prompts)
+        assert {leg.final.kv_transfer_params.remote_transport for leg in legs.values()} == {"nixl"}
+        decoded = decode_leg(consumer, prompts, legs, 5)
+        for rid in prompts:
+            assert legs[rid].tokens + decoded[rid].tokens == expected[rid].tokens
+        assert consumer.engine.stats().kv_remote_blocks_pulled == sum(-(-len(t) // 4) for t in prompts.values())
+        assert producer.engine.kv.server.frames_sent == 0  # NIXL READs, no frames
+        assert_all_free(producer, consumer)
+    finally:
+        for core in (ref, producer, consumer):
+            core.engine.close()
