@@ -5,7 +5,9 @@ block on both engines free (no lease, no load, no request) and one clear termina
 Two cases drive the legs as a router would (Engine API, parameters in hand), because they need
 the router's seat: a decode leg that never comes (lease expiry), and a decode leg whose pull goes
 through a byte-flipping or throttling TCP proxy (corrupt transfer, cancel during the transfer).
-The others go through the frontend's two-leg path.
+The others go through the frontend's two-leg path, on the `stream` transport (`tandem frontend`'s
+default; test_disaggregated.py runs `tandem serve`, whose default is `mux`; these pass with
+TANDEM_ENGINE_TRANSPORT=mux too).
 """
 
 from __future__ import annotations
