@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -179,8 +180,10 @@ class TwoLegCall:
     """
 
     def __init__(self, request: engine_pb2.EngineRequest, pools: DisaggregatedPools, prefill: EngineReplica,
-                 decode: EngineReplica | None, max_tokens: int, timeout: float | None, metadata, multiplexed: bool) -> None:
+                 decode: EngineReplica | None, max_tokens: int, timeout: float | None, metadata, multiplexed: bool,
+                 on_decode_replica: Callable[[EngineReplica], None] | None = None) -> None:
         self.request = request
+        self.on_decode_replica = on_decode_replica  # told which decode replica the leg went to (logs)
         self.pools = pools
         self.prefill = prefill
         self.decode = decode
@@ -270,6 +273,8 @@ class TwoLegCall:
             except NoEngineAvailable as exc:  # the lease stays ours: released on the way out
                 raise LegFailed(_rpc_error(grpc.StatusCode.UNAVAILABLE, str(exc)), "decode", self.pools.decode,
                                 None) from None
+        if self.on_decode_replica is not None:
+            self.on_decode_replica(self.decode)
         self.decode.in_flight += 1
         received = False
         try:

@@ -399,9 +399,11 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         disaggregated pools) a `TwoLegCall` over its prefill and decode replicas."""
         if self.disaggregated is None:
             return active.replica.open_call(er, deadline, metadata, self.pool.multiplexed)
+        obs = active.observation
         return TwoLegCall(er, self.disaggregated, active.replica, None,
                           self._resolved_max_tokens(er, active.replica, len(prepared.prompt_token_ids)),
-                          deadline, metadata, self.pool.multiplexed)
+                          deadline, metadata, self.pool.multiplexed,
+                          on_decode_replica=(lambda r: obs.note(decode_engine=r.address)) if obs is not None else None)
 
     def _resolved_max_tokens(self, er, replica: EngineReplica, num_prompt_tokens: int) -> int:
         """A choice's total max_tokens as one engine would resolve it: the client's, else the

@@ -292,3 +292,16 @@ def test_no_release_when_the_producer_kept_no_lease():
     assert p1.aborts == [] and p2.aborts == []
     assert not d2.sent[0].HasField("kv_transfer_params")
     assert [list(r.token_ids) for r in got] == [[11], [12]]
+
+
+def test_the_decode_replica_is_reported_when_picked():
+    seen = []
+
+    async def main():
+        call, p, d, _ = make([FakeCall([resp([11], LENGTH, 4, 1, lease="L")])], [FakeCall([resp([12], LENGTH, 5, 1)])], 3)
+        call.on_decode_replica = seen.append
+        await drain(call)
+        return d
+
+    d = asyncio.run(main())
+    assert seen == [d]
