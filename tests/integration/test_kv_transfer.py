@@ -348,7 +348,10 @@ def test_sliding_window_model_moves_every_cache_group():
 
 def test_model_info_reports_the_role(producer, consumer):
     info = core_info(producer.engine).model_info()["kv_transfer"]
-    assert info["role"] == "producer" and info["transports"] == ["tcp"]
+    from tandem.engine_service.kv_connector.nixl_transport import nixl_available
+
+    # CPU: TCP always, NIXL where the package is installed, never CUDA IPC.
+    assert info["role"] == "producer" and info["transports"] == ["tcp"] + (["nixl"] if nixl_available() else [])
     host, port = info["transfer_address"].rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) == producer.engine.kv.server.port > 0
     assert info["engine_id"].startswith("tandem-")
