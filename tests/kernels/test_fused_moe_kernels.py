@@ -205,3 +205,24 @@ def test_layer_matches_transformers(kind: str, fused: bool, n: int) -> None:
         with torch.no_grad():
             ours.shared_expert.down_proj.weight.zero_()
         assert (ours(x) - ref).abs().max() > 1e-2
+
+
+def test_gpu_check_moe_section_on_cpu(monkeypatch) -> None:
+    """`gpu_check`'s moe cases, shrunk and interpreted: they check the kernel against the twin
+    and count the selected experts' weight bytes."""
+    from tandem.kernels import gpu_check
+
+    monkeypatch.setitem(gpu_check.QWEN3_MOE, "experts", 8)
+    monkeypatch.setitem(gpu_check.QWEN3_MOE, "top_k", 2)
+    monkeypatch.setitem(gpu_check.QWEN3_MOE, "hidden", 64)
+    monkeypatch.setitem(gpu_check.QWEN3_MOE, "inter", 32)
+    cases = list(gpu_check._moe_cases(True, torch.device("cpu"), torch.Generator().manual_seed(0)))
+    assert [c.params["tokens"] for c in cases] == [1, 256, 4096]
+    for case in cases:
+        case.prepare()
+        case.run()
+        ((_, out, ref),) = case.compare()
+        assert not out.isnan().any() and gpu_check._rel_err(out, ref) <= gpu_check.TOLERANCE
+        distinct = case.params["distinct_experts"]
+        assert (distinct == 2) if case.params["tokens"] == 1 else (distinct == 8)
+        assert case.bytes_moved > distinct * 3 * 64 * 32 * 2
