@@ -94,6 +94,27 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": None,
         "tie_word_embeddings": False,
     },
+    # Qwen3-30B-A3B's layer shapes, 4 layers (~5.5 GB in bf16): the GPU model-parity check of the
+    # MoE path, whose three engines must fit one GPU together.
+    "qwen3-30b-a3b-l4": {
+        **_QWEN3_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_window_layers": 4,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
     # mistralai/Mistral-7B-v0.1 (sliding_window 4096 on every layer)
     "mistral-7b": {
         "architectures": ["MistralForCausalLM"],
