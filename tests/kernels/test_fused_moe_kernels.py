@@ -72,6 +72,19 @@ def test_fused_matches_per_expert_loop(n: int, k: int, dtype: torch.dtype) -> No
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("units", [1, 20, 10_000], ids=["tile64", "tile32", "tile16"])
+def test_narrow_column_tiles(monkeypatch, units: int) -> None:
+    """Small batches on a large GPU get narrower column tiles (more programs); all widths agree."""
+    from tandem.kernels import fused_moe as module
+
+    monkeypatch.setattr(module, "num_compute_units", lambda device: units)
+    n, e, k, hd, inter = 2, 16, 8, 96, 80
+    assert module._block_n(min(e, n * k), inter, torch.device("cpu")) == {1: 64, 20: 32, 10_000: 16}[units]
+    x, w_gate_up, w_down, weights, ids = make_inputs(n, e, k, hd, inter, torch.float32, seed=5)
+    out = fused_moe(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(out, naive_moe(x, w_gate_up, w_down, weights, ids).float(), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("n", [1, 5, 37])
 def test_experts_without_tokens(n: int) -> None:
     e, k = 32, 2
