@@ -32,6 +32,7 @@ from torch import nn
 from tandem.engine_service.dummy_configs import get_dummy_config
 from tandem.engine_service.layers.attention import select_attention_backend
 from tandem.engine_service.layers.linear import default_weight_loader
+from tandem.engine_service.layers.moe import ExpertWeights, per_expert_checkpoint_name
 from tandem.engine_service.layers.norm import RMSNorm
 from tandem.engine_service.models.llama import LlamaForCausalLM
 from tandem.engine_service.models.registry import get_model_class
@@ -222,13 +223,19 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
 
     Tensors are cast to each parameter's dtype and device. Raises `WeightLoadError` listing
     missing, unexpected and misshapen names (rotary `inv_freq` buffers are ignored; a tied
-    `lm_head.weight` is accepted and skipped).
+    `lm_head.weight` is accepted and skipped). MoE experts load from either layout: stacked
+    (`experts.gate_up_proj`, `experts.down_proj`, by name) or one tensor per expert
+    (`experts.{e}.gate_proj.weight` ...), stacked here; a stacked parameter counts as loaded once
+    every expert's every part arrived.
     """
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"no *.safetensors files in {path}")
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
+    experts = {f"{prefix}.{stacked}": module for prefix, module in model.named_modules()
+               if isinstance(module, ExpertWeights) for stacked in ("gate_up_proj", "down_proj")}
+    expert_parts: dict[str, set[tuple[int, str]]] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []
     misshapen: list[str] = []
@@ -239,7 +246,18 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
                     continue
                 param = params.get(name)
                 if param is None:
-                    unexpected.append(name)
+                    per_expert = per_expert_checkpoint_name(name)
+                    owner = experts.get(per_expert[0]) if per_expert else None
+                    if per_expert is None or owner is None:
+                        unexpected.append(name)
+                        continue
+                    stacked, expert, proj = per_expert
+                    try:
+                        owner.load_expert(proj, expert, f.get_tensor(name))
+                    except ValueError as e:
+                        misshapen.append(f"{name}: {e}")
+                        continue
+                    expert_parts.setdefault(stacked, set()).add((expert, proj))
                     continue
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
@@ -248,6 +266,10 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
                     misshapen.append(f"{name}: {e}")
                     continue
                 loaded.add(name)
+    for stacked, parts in expert_parts.items():
+        owner = experts[stacked]
+        if len(parts) == owner.num_experts * owner.parts_per_expert(stacked.rsplit(".", 1)[1]):
+            loaded.add(stacked)
     missing = sorted(params.keys() - loaded)
     if missing or unexpected or misshapen:
         raise WeightLoadError(

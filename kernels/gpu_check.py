@@ -4,7 +4,9 @@ Usage: ``python -m tandem.kernels.gpu_check --out DIR [--quick] [--only SUBSTRIN
 
 Shapes are Qwen3-8B's (32 query heads, 8 KV heads, head_dim 128, hidden 4096, intermediate 12288,
 vocab 151936; block size 16; bfloat16), plus SmolLM2's grouped-query shape (9 heads over 3 KV
-heads, head_dim 64) for the non-power-of-two group. For every case the script
+heads, head_dim 64) for the non-power-of-two group, and Qwen3-30B-A3B's MoE layer (128 experts,
+8 per token, hidden 2048, expert intermediate 768) for ``fused_moe``, whose GB/s counts the
+weights of the experts the batch's routing actually selected (plus activations). For every case the script
 
 * pre-fills outputs with NaN (so an element the kernel never wrote shows up), runs the kernel and
   its reference, and requires no NaN and a relative error ``max|out − ref| / max|ref|`` ≤ 1e-2;
@@ -34,11 +36,13 @@ from typing import Any
 
 import torch
 
-from tandem.kernels import activation, kv_store, norm, paged_attention, rotary, sampling
+from tandem.kernels import activation, fused_moe, kv_store, norm, paged_attention, rotary, sampling
 
 TOLERANCE = 1e-2
 QWEN3 = {"heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "inter": 12288,
          "vocab": 151936}
+# Qwen3-30B-A3B's MoE layer: 128 experts of intermediate 768 over hidden 2048, 8 per token.
+QWEN3_MOE = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 
@@ -397,6 +401,35 @@ def _activation_cases(quick: bool, device: torch.device, gen: torch.Generator) -
                    bytes_moved=3 * out.numel() * out.element_size())
 
 
+def _moe_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    e, k, hd, inter = (QWEN3_MOE[key] for key in ("experts", "top_k", "hidden", "inter"))
+    w_gate_up = torch.randn(e, 2 * inter, hd, device=device, dtype=DTYPE, generator=gen) * hd**-0.5
+    w_down = torch.randn(e, hd, inter, device=device, dtype=DTYPE, generator=gen) * inter**-0.5
+    expert_bytes = 3 * hd * inter * w_down.element_size()
+    for tokens in (1, 256, 4096) if quick else (1, 64, 256, 4096):
+        x = torch.randn(tokens, hd, device=device, dtype=DTYPE, generator=gen)
+        logits = torch.randn(tokens, e, device=device, generator=gen)
+        weights, ids = fused_moe.select_experts(logits, k, renormalize=True)
+        distinct = int(torch.unique(ids).numel())
+        out = torch.full((tokens, hd), float("nan"), device=device, dtype=DTYPE)
+
+        def run(x=x, weights=weights, ids=ids, out=out) -> None:
+            out.copy_(fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids))
+
+        def align(ids=ids, p=tokens * k) -> None:
+            fused_moe.align_pairs_by_expert(ids, e, fused_moe._block_m(p, e))
+
+        def cmp(x=x, weights=weights, ids=ids, out=out):
+            return [("out", out, fused_moe.fused_moe_reference(x, w_gate_up, w_down, weights, ids))]
+
+        activations = (2 * tokens * hd + tokens * k * (2 * inter + hd)) * x.element_size()
+        yield Case("fused_moe", f"N={tokens} E={e} k={k} Hd={hd} I={inter}",
+                   {"tokens": tokens, "experts": e, "top_k": k, "distinct_experts": distinct},
+                   run, cmp, lambda out=out: out.fill_(float("nan")),
+                   bytes_moved=distinct * expert_bytes + activations,
+                   flops=2 * tokens * k * 3 * hd * inter, extra_timings={"align": align})
+
+
 def _sampling_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
     vocab = QWEN3["vocab"]
     for rows in (1, 32, 256):
@@ -564,6 +597,8 @@ def _table(results: list[dict[str, Any]], copy_gbps: float | None) -> str:
         for key, extra in r.items():
             if key.endswith("_timing") and isinstance(extra, dict) and "median_us" in extra:
                 notes.append(f"{key[: -len('_timing')].replace('_', ' ')} {extra['median_us']:.1f} µs")
+        if "distinct_experts" in r.get("params", {}):
+            notes.append(f"{r['params']['distinct_experts']} experts read")
         if "num_splits" in r.get("params", {}):
             notes.append(f"splits={r['params']['num_splits']}")
         lines.append(
@@ -616,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator(device=device)
         gen.manual_seed(args.seed)
         families = [_decode_cases, _prefill_cases, _norm_cases, _rotary_cases, _activation_cases,
-                    _sampling_cases]
+                    _moe_cases, _sampling_cases]
         for family in families:
             cases = family(args.quick, device, gen)
             while True:

@@ -7,6 +7,9 @@ The variants differ only in a few switches read from the Hugging Face config:
 - Mistral: every layer attends over a sliding window (`sliding_window`); Qwen2/Qwen3 with
   `use_sliding_window`: the layers `layer_types` marks "sliding_attention" do.
 
+Families whose feed-forward block differs (mixture of experts: `models/qwen3_moe.py`) override
+`build_mlp`; the decoder layer takes whatever block it returns.
+
 The model declares its caches (`cache_layout`): one full-attention group and one group per
 distinct window; each layer reads its group's block table from the step metadata.
 
@@ -21,7 +24,7 @@ roundings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine_service.cache_spec import CacheLayout, attention_layout
-from tandem.engine_service.layers.activation import silu_and_mul
 from tandem.engine_service.layers.attention import (
     Attention,
     AttentionBackend,
@@ -40,9 +42,9 @@ from tandem.engine_service.layers.attention import (
 from tandem.engine_service.layers.embedding import VocabEmbedding
 from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.engine_service.layers.merged_linear import merge_column_linears
+from tandem.engine_service.layers.mlp import GatedMLP
 from tandem.engine_service.layers.norm import RMSNorm
 from tandem.engine_service.layers.rotary import RopeConfig, RotaryEmbedding, RotaryInputs, apply_rotary
-from tandem.kernels import activation as activation_kernels
 
 
 @dataclass(frozen=True)
@@ -94,25 +96,11 @@ def layer_windows_from_hf(family: str, hf: Mapping[str, Any]) -> tuple[int | Non
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+class LlamaMLP(GatedMLP):
+    """SwiGLU feed-forward of a dense decoder layer, sized from the config."""
 
     def __init__(self, cfg: DecoderConfig, fused: bool = False) -> None:
-        super().__init__()
-        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.fused = fused
-        if fused:  # gate rows first: the layout silu_and_mul's kernel reads
-            weight, bias = merge_column_linears([self.gate_proj, self.up_proj])
-            self.register_buffer("gate_up_weight", weight, persistent=False)
-            self.register_buffer("gate_up_bias", bias, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-            return self.down_proj(activation_kernels.silu_and_mul(gate_up))
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, fused=fused)
 
 
 class LlamaAttention(nn.Module):
@@ -177,13 +165,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; carries the residual stream separately so norms can fuse the add."""
+    """Pre-norm block; carries the residual stream separately so norms can fuse the add.
 
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, layer_id: int, cache_group: int) -> None:
+    The feed-forward block is pluggable (`mlp`: any module mapping `[T, hidden]` to `[T, hidden]`,
+    e.g. a sparse MoE block); by default the dense SwiGLU MLP."""
+
+    def __init__(
+        self, cfg: DecoderConfig, backend: AttentionBackend, layer_id: int, cache_group: int,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         fused = backend.fused_layers
         self.self_attn = LlamaAttention(cfg, backend, layer_id, cache_group)
-        self.mlp = LlamaMLP(cfg, fused)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
 
@@ -205,15 +199,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder stack and final norm (the `model.` prefix of checkpoint names)."""
+    """Embedding, decoder stack and final norm (the `model.` prefix of checkpoint names).
 
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+    `mlp_factory(layer_id)` builds each layer's feed-forward block (None: the dense MLP)."""
+
+    def __init__(
+        self, cfg: DecoderConfig, backend: AttentionBackend,
+        mlp_factory: Callable[[int], nn.Module | None] | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         # The layout's group indices do not depend on the cache dtype.
         layout = attention_layout(cfg.windows, cfg.num_key_value_heads, cfg.head_dim, "float32")
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, i, layout.paged_group_of(i)) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, i, layout.paged_group_of(i), mlp_factory(i) if mlp_factory else None)
+            for i in range(cfg.num_hidden_layers)
         )
         self.fused = backend.fused_layers
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.fused)
@@ -248,10 +248,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         backend = attn_backend or select_attention_backend(torch.get_default_device())
         self.attn_backend = backend
-        self.model = LlamaModel(cfg, backend)
+        self.model = LlamaModel(cfg, backend, self.build_mlp)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_mlp(self, layer_id: int) -> nn.Module | None:
+        """The feed-forward block of layer `layer_id`; None means the dense SwiGLU MLP. Families
+        with other blocks (mixture of experts) override this."""
+        return None
 
     def cache_layout(self, dtype: str) -> CacheLayout:
         """The caches this model needs, per layer group, holding `dtype` (torch's name)."""

@@ -11,11 +11,13 @@ from tandem.engine_service.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from tandem.engine_service.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
 }
 
@@ -24,6 +26,7 @@ _MODEL_TYPES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
     "mistral": MistralForCausalLM,
 }
 
