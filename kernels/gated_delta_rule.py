@@ -326,6 +326,7 @@ def _chunk_prepare_kernel(
     cu_ptr,
     chunk_offsets_ptr,
     w_ptr,
+    kd_ptr,
     u_ptr,
     gamma_ptr,
     num_seqs,
@@ -340,14 +341,15 @@ def _chunk_prepare_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BK: tl.constexpr,
-    BVF: tl.constexpr,
+    BV: tl.constexpr,
     C: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     L2NORM: tl.constexpr,
     EPS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One (chunk, value head): W = M⁻¹(beta·e^γ·K), U = M⁻¹(beta·V) and γ, into float32 scratch."""
+    """One (chunk, value head): W = M⁻¹(beta·e^γ·K), U = M⁻¹(beta·V), γ and K e^{γ_C−γ}, into
+    float32 scratch."""
     chunk = tl.program_id(0)
     hv = tl.program_id(1)
     if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
@@ -367,7 +369,6 @@ def _chunk_prepare_kernel(
     r_ok = rows < end
     rows64 = rows.to(tl.int64)
     kk = tl.arange(0, BK)
-    vv = tl.arange(0, BVF)
     h = hv // GROUP
     k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
                 mask=r_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
@@ -377,7 +378,8 @@ def _chunk_prepare_kernel(
     g = tl.load(g_ptr + rows64 * stride_g_row + hv, mask=r_ok, other=0.0).to(tl.float32)
     gamma = tl.cumsum(g, 0)
     ci = tl.arange(0, C)
-    strict = ci[:, None] > ci[None, :]
+    # Rows past the chunk's end are masked too: their γ (0) minus a valid γ would overflow exp.
+    strict = (ci[:, None] > ci[None, :]) & r_ok[:, None]
     decay = tl.exp(tl.where(strict, gamma[:, None] - gamma[None, :], 0.0))
     kb = k * beta[:, None]
     a = tl.where(strict, dot(kb, tl.trans(k), PRECISION) * decay, 0.0)
@@ -387,34 +389,101 @@ def _chunk_prepare_kernel(
         a_i = tl.sum(tl.where(ci[:, None] == i, a, 0.0), 0)  # row i of A, indexed by column
         row_i = tl.where(ci == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, 0)
         t = tl.where(ci[:, None] == i, row_i[None, :], t)
-    w = dot(t, kb * tl.exp(gamma)[:, None], PRECISION)
-    v = tl.load(v_ptr + rows64[:, None] * stride_v_row + hv * stride_v_head + vv[None, :],
-                mask=r_ok[:, None] & (vv < V)[None, :], other=0.0).to(tl.float32)
-    u = dot(t, v * beta[:, None], PRECISION)
     out_rows = rows64[:, None] * HV + hv
-    tl.store(w_ptr + out_rows * K + kk[None, :], w, mask=r_ok[:, None] & (kk < K)[None, :])
-    tl.store(u_ptr + out_rows * V + vv[None, :], u, mask=r_ok[:, None] & (vv < V)[None, :])
+    k_mask = r_ok[:, None] & (kk < K)[None, :]
+    w = dot(t, kb * tl.exp(gamma)[:, None], PRECISION)
+    tl.store(w_ptr + out_rows * K + kk[None, :], w, mask=k_mask)
+    # K decayed to the chunk's end, for the state update: e^{γ_C − γ_i} k_i.
+    gamma_last = tl.sum(tl.where(rows == end - 1, gamma, 0.0), 0)
+    tl.store(kd_ptr + out_rows * K + kk[None, :], k * tl.exp(gamma_last - gamma)[:, None], mask=k_mask)
+    for vb in tl.static_range(0, V, BV):  # U in V blocks: fewer live registers
+        vv = vb + tl.arange(0, BV)
+        v_mask = r_ok[:, None] & (vv < V)[None, :]
+        v = tl.load(v_ptr + rows64[:, None] * stride_v_row + hv * stride_v_head + vv[None, :],
+                    mask=v_mask, other=0.0).to(tl.float32)
+        u = dot(t, v * beta[:, None], PRECISION)
+        tl.store(u_ptr + out_rows * V + vv[None, :], u, mask=v_mask)
     tl.store(gamma_ptr + rows64 * HV + hv, gamma, mask=r_ok)
 
 
 @triton_kernel
-def _chunk_scan_kernel(
-    q_ptr,
-    k_ptr,
+def _chunk_state_kernel(
+    kd_ptr,
     w_ptr,
     u_ptr,
     gamma_ptr,
+    h_ptr,
     state_ptr,
     idx_ptr,
     cu_ptr,
     init_ptr,
+    chunk_offsets_ptr,
+    stride_s_slot,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (request, value head, V block), the only sequential part: walks the request's chunks
+    carrying S [K, BV] in registers; saves each chunk's entry state to ``h``, turns U into
+    V' = U − W S in place, and writes the final state."""
+    seq = tl.program_id(0)
+    hv = tl.program_id(1)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    kk = tl.arange(0, BK)
+    k_ok = kk < K
+    v_ok = vv < V
+    start = tl.load(cu_ptr + seq)
+    end = tl.load(cu_ptr + seq + 1)
+    slot = tl.load(idx_ptr + seq).to(tl.int64)
+    has_init = tl.load(init_ptr + seq) != 0
+    s_off = kk[:, None] * V + vv[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s_ptrs = state_ptr + slot * stride_s_slot + hv * (K * V) + s_off
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    s = tl.where(has_init, s, 0.0)  # a fresh slot's contents (even NaN) never enter
+    chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
+    ci = tl.arange(0, C)
+    for c0 in range(start, end, C):
+        tl.store(h_ptr + (chunk * HV + hv) * (K * V) + s_off, cast(s, h_ptr.dtype.element_ty),
+                 mask=s_mask)
+        rows = c0 + ci
+        r_ok = rows < end
+        rows64 = rows.to(tl.int64)
+        k_mask = r_ok[:, None] & k_ok[None, :]
+        out_rows = rows64[:, None] * HV + hv
+        last = tl.minimum(c0 + C, end) - 1
+        gamma_last = tl.load(gamma_ptr + last.to(tl.int64) * HV + hv)
+        w = tl.load(w_ptr + out_rows * K + kk[None, :], mask=k_mask, other=0.0)
+        u_ptrs = u_ptr + out_rows * V + vv[None, :]
+        u_mask = r_ok[:, None] & v_ok[None, :]
+        v_new = tl.load(u_ptrs, mask=u_mask, other=0.0) - dot(w, s, PRECISION)
+        tl.store(u_ptrs, v_new, mask=u_mask)
+        k_decayed = tl.load(kd_ptr + out_rows * K + kk[None, :], mask=k_mask, other=0.0)
+        s = s * tl.exp(gamma_last) + dot(tl.trans(k_decayed), v_new, PRECISION)
+        chunk += 1
+    tl.store(s_ptrs, s, mask=s_mask)
+
+
+@triton_kernel
+def _chunk_output_kernel(
+    q_ptr,
+    k_ptr,
+    v_new_ptr,
+    gamma_ptr,
+    h_ptr,
+    cu_ptr,
+    chunk_offsets_ptr,
     o_ptr,
+    num_seqs,
     scale,
     stride_q_row,
     stride_q_head,
     stride_k_row,
     stride_k_head,
-    stride_s_slot,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
     K: tl.constexpr,
@@ -422,57 +491,56 @@ def _chunk_scan_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     C: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
     L2NORM: tl.constexpr,
     EPS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One (request, value head, V block): walks the request's chunks carrying S [K, BV] in
-    registers; writes the outputs and the final state."""
-    seq = tl.program_id(0)
+    """One (chunk, value head, V block), all in parallel:
+    O = (Q e^γ) S_entry + lower(Q Kᵀ ⊙ e^{γ_i−γ_j}) V'."""
+    chunk = tl.program_id(0)
     hv = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    lo = 0
+    hi = num_seqs - 1
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(chunk_offsets_ptr + mid) <= chunk
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    start = tl.load(cu_ptr + lo) + (chunk - tl.load(chunk_offsets_ptr + lo)) * C
+    end = tl.minimum(start + C, tl.load(cu_ptr + lo + 1))
+    ci = tl.arange(0, C)
+    rows = start + ci
+    r_ok = rows < end
+    rows64 = rows.to(tl.int64)
     kk = tl.arange(0, BK)
     k_ok = kk < K
     v_ok = vv < V
     h = hv // GROUP
-    start = tl.load(cu_ptr + seq)
-    end = tl.load(cu_ptr + seq + 1)
-    slot = tl.load(idx_ptr + seq).to(tl.int64)
-    has_init = tl.load(init_ptr + seq) != 0
-    s_ptrs = state_ptr + slot * stride_s_slot + hv * (K * V) + kk[:, None] * V + vv[None, :]
+    qk_mask = r_ok[:, None] & k_ok[None, :]
+    q = tl.load(q_ptr + rows64[:, None] * stride_q_row + h * stride_q_head + kk[None, :],
+                mask=qk_mask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
+                mask=qk_mask, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q, 1) + EPS)[:, None]
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
+    q = q * scale
+    gamma = tl.load(gamma_ptr + rows64 * HV + hv, mask=r_ok, other=0.0)
+    causal = (ci[:, None] >= ci[None, :]) & r_ok[:, None]  # rows past the end: exp would overflow
+    decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0))
+    attn = tl.where(causal, dot(q, tl.trans(k), PRECISION) * decay, 0.0)
     s_mask = k_ok[:, None] & v_ok[None, :]
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
-    s = tl.where(has_init, s, 0.0)  # a fresh slot's contents (even NaN) never enter
-    ci = tl.arange(0, C)
-    causal = ci[:, None] >= ci[None, :]
-    for c0 in range(start, end, C):
-        rows = c0 + ci
-        r_ok = rows < end
-        rows64 = rows.to(tl.int64)
-        qk_mask = r_ok[:, None] & k_ok[None, :]
-        q = tl.load(q_ptr + rows64[:, None] * stride_q_row + h * stride_q_head + kk[None, :],
-                    mask=qk_mask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
-                    mask=qk_mask, other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q * tl.rsqrt(tl.sum(q * q, 1) + EPS)[:, None]
-            k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
-        q = q * scale
-        out_rows = rows64[:, None] * HV + hv
-        gamma = tl.load(gamma_ptr + rows64 * HV + hv, mask=r_ok, other=0.0)
-        last = tl.minimum(c0 + C, end) - 1
-        gamma_last = tl.load(gamma_ptr + last.to(tl.int64) * HV + hv)
-        w = tl.load(w_ptr + out_rows * K + kk[None, :], mask=qk_mask, other=0.0)
-        u = tl.load(u_ptr + out_rows * V + vv[None, :], mask=r_ok[:, None] & v_ok[None, :], other=0.0)
-        v_new = u - dot(w, s, PRECISION)
-        decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0))
-        attn = tl.where(causal, dot(q, tl.trans(k), PRECISION) * decay, 0.0)
-        o = dot(q * tl.exp(gamma)[:, None], s, PRECISION) + dot(attn, v_new, PRECISION)
-        tl.store(o_ptr + out_rows * V + vv[None, :], cast(o, o_ptr.dtype.element_ty),
-                 mask=r_ok[:, None] & v_ok[None, :])
-        k_decayed = k * tl.exp(gamma_last - gamma)[:, None]
-        s = s * tl.exp(gamma_last) + dot(tl.trans(k_decayed), v_new, PRECISION)
-    tl.store(s_ptrs, s, mask=s_mask)
+    s = tl.load(h_ptr + (chunk.to(tl.int64) * HV + hv) * (K * V) + kk[:, None] * V + vv[None, :],
+                mask=s_mask, other=0.0).to(tl.float32)
+    out_rows = rows64[:, None] * HV + hv
+    o_mask = r_ok[:, None] & v_ok[None, :]
+    v_new = tl.load(v_new_ptr + out_rows * V + vv[None, :], mask=o_mask, other=0.0)
+    o = dot(q * tl.exp(gamma)[:, None], s, PRECISION) + dot(attn, v_new, PRECISION)
+    tl.store(o_ptr + out_rows * V + vv[None, :], cast(o, o_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _check_state_layout(state: torch.Tensor) -> None:
@@ -484,6 +552,12 @@ def _check_state_layout(state: torch.Tensor) -> None:
 def _check_rows(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         check_contiguous_last_dim(name, t)
+
+
+def _warps(chunk_size: int, block_k: int) -> int:
+    """Warps for the chunk kernels: their [C, K] float32 tiles spill registers below 8 warps at
+    C = 64, K = 128 (ptxas resource usage for sm_90, checked offline)."""
+    return 8 if chunk_size * block_k >= 4096 else 4
 
 
 def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has_initial_state,
@@ -506,28 +580,43 @@ def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has
     chunk_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     torch.cumsum((lengths + chunk_size - 1) // chunk_size, 0, out=chunk_offsets[1:])
     w = torch.empty(rows, vheads, kdim, dtype=torch.float32, device=device)
+    kd = torch.empty_like(w)
     u = torch.empty(rows, vheads, vdim, dtype=torch.float32, device=device)
     gamma = torch.empty(rows, vheads, dtype=torch.float32, device=device)
     bk = next_power_of_2(kdim)
+    bv_full = next_power_of_2(vdim)
     precision = dot_precision(v.dtype)
     group = vheads // heads
     search = max(1, batch.bit_length())
+    max_chunks = rows // chunk_size + batch  # >= sum(ceil(len_i / C)) whatever the lengths
+    # Entry state of every chunk, in the activation dtype for 16-bit models (halves the scratch;
+    # it only feeds the output product), float32 otherwise.
+    h = torch.empty(max_chunks, vheads, kdim, vdim, device=device,
+                    dtype=torch.float32 if v.dtype == torch.float32 else v.dtype)
     if rows:
-        max_chunks = rows // chunk_size + batch
         _chunk_prepare_kernel.on(device)[(max_chunks, vheads)](
-            k, v, g, beta, cu_seqlens, chunk_offsets, w, u, gamma, batch,
+            k, v, g, beta, cu_seqlens, chunk_offsets, w, kd, u, gamma, batch,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BVF=next_power_of_2(vdim), C=chunk_size,
+            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=min(32, bv_full), C=chunk_size,
             SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision,
-            num_warps=8 if chunk_size * max(bk, vdim) >= 8192 else 4,
+            num_warps=_warps(chunk_size, bk),
         )
-    bv = min(32, next_power_of_2(vdim))
-    _chunk_scan_kernel.on(device)[(batch, vheads, cdiv(vdim, bv))](
-        q, k, w, u, gamma, state, state_indices, cu_seqlens, has_initial_state.view(torch.uint8), out,
-        scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), state.stride(0),
-        HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=bv, C=chunk_size, L2NORM=use_qk_l2norm,
-        EPS=L2NORM_EPS, PRECISION=precision, num_warps=4 if chunk_size <= 32 else 8,
+    bv = min(32, bv_full)
+    _chunk_state_kernel.on(device)[(batch, vheads, cdiv(vdim, bv))](
+        kd, w, u, gamma, h, state, state_indices, cu_seqlens, has_initial_state.view(torch.uint8),
+        chunk_offsets, state.stride(0),
+        HV=vheads, K=kdim, V=vdim, BK=bk, BV=bv, C=chunk_size, PRECISION=precision,
+        num_warps=_warps(chunk_size, bk),
     )
+    if rows:
+        bvo = min(64, bv_full)
+        _chunk_output_kernel.on(device)[(max_chunks, vheads, cdiv(vdim, bvo))](
+            q, k, u, gamma, h, cu_seqlens, chunk_offsets, out, batch, scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=bvo, C=chunk_size,
+            SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision,
+            num_warps=_warps(chunk_size, bk),
+        )
     return out
 
 
