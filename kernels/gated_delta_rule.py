@@ -554,6 +554,16 @@ def _check_rows(**tensors: torch.Tensor) -> None:
         check_contiguous_last_dim(name, t)
 
 
+# Launch shapes of the chunk kernels (V block widths, pipelining of the state kernel's loop).
+# tests/kernels/test_gdn_kernels_compile.py compiles the kernels with these for sm_90 and
+# gfx942 offline and checks they fit (the default 3 stages of the state kernel need 232 KiB of
+# shared memory at C = 64, K = 128: more than an H100/H200 block may have).
+_PREPARE_BV = 32
+_STATE_BV = 32
+_STATE_STAGES = 2
+_OUTPUT_BV = 64
+
+
 def _warps(chunk_size: int, block_k: int) -> int:
     """Warps for the chunk kernels: their [C, K] float32 tiles spill registers below 8 warps at
     C = 64, K = 128 (ptxas resource usage for sm_90, checked offline)."""
@@ -597,19 +607,19 @@ def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has
         _chunk_prepare_kernel.on(device)[(max_chunks, vheads)](
             k, v, g, beta, cu_seqlens, chunk_offsets, w, kd, u, gamma, batch,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=min(32, bv_full), C=chunk_size,
+            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=min(_PREPARE_BV, bv_full), C=chunk_size,
             SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision,
             num_warps=_warps(chunk_size, bk),
         )
-    bv = min(32, bv_full)
+    bv = min(_STATE_BV, bv_full)
     _chunk_state_kernel.on(device)[(batch, vheads, cdiv(vdim, bv))](
         kd, w, u, gamma, h, state, state_indices, cu_seqlens, has_initial_state.view(torch.uint8),
         chunk_offsets, state.stride(0),
         HV=vheads, K=kdim, V=vdim, BK=bk, BV=bv, C=chunk_size, PRECISION=precision,
-        num_warps=_warps(chunk_size, bk),
+        num_warps=_warps(chunk_size, bk), num_stages=_STATE_STAGES,
     )
     if rows:
-        bvo = min(64, bv_full)
+        bvo = min(_OUTPUT_BV, bv_full)
         _chunk_output_kernel.on(device)[(max_chunks, vheads, cdiv(vdim, bvo))](
             q, k, u, gamma, h, cu_seqlens, chunk_offsets, out, batch, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
