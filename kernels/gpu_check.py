@@ -4,7 +4,10 @@ Usage: ``python -m tandem.kernels.gpu_check --out DIR [--quick] [--only SUBSTRIN
 
 Shapes are Qwen3-8B's (32 query heads, 8 KV heads, head_dim 128, hidden 4096, intermediate 12288,
 vocab 151936; block size 16; bfloat16), plus SmolLM2's grouped-query shape (9 heads over 3 KV
-heads, head_dim 64) for the non-power-of-two group. For every case the script
+heads, head_dim 64) for the non-power-of-two group, and Qwen3-Next's Gated DeltaNet layer (16 q/k
+heads, 32 value heads, K = V = 128, conv width 4 over 8192 channels) for the ``gdn_*`` kernels
+(``--only gdn``; the recurrent decode update's GB/s counts its float32 state read + written). For
+every case the script
 
 * pre-fills outputs with NaN (so an element the kernel never wrote shows up), runs the kernel and
   its reference, and requires no NaN and a relative error ``max|out − ref| / max|ref|`` ≤ 1e-2;
@@ -493,8 +496,10 @@ def _gdn_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Itera
                    cmp_norm, bytes_moved=3 * x.numel() * x.element_size())
 
 
-_gdn_cases.kernels = ("gdn_recurrent_update", "gdn_chunk_prefill", "gdn_conv1d_update",  # type: ignore[attr-defined]
-                      "gdn_conv1d_prefill", "gdn_rms_norm_gated")
+_gdn_cases.kernels = (  # type: ignore[attr-defined]
+    "gdn_recurrent_update", "gdn_chunk_prefill", "gdn_conv1d_update", "gdn_conv1d_prefill",
+    "gdn_rms_norm_gated",
+)
 
 
 def _gdn_decode_case(device: torch.device, gen: torch.Generator, batch: int, scale: float) -> Case:
