@@ -29,11 +29,15 @@ Implementations: ``gated_delta_rule_naive`` (the per-token loop; the ground trut
 ``chunk_gated_delta_rule_ref`` (the chunked form in PyTorch), ``fused_recurrent_..._ref``
 (vectorised one-token step), and the Triton kernels behind the public functions:
 
-* ``chunk_gated_delta_rule``: kernel 1, parallel over (chunk, value head), forms ``M`` in
-  registers, inverts it by forward substitution and writes ``W``, ``U`` and ``γ`` (float32
-  scratch); kernel 2, parallel over (request, value head, V block), walks the request's chunks
-  carrying ``S`` in registers and writes ``O`` and the final state. The chunk → request map is
-  built on the device (no host sync); the grid is sized from shapes only.
+* ``chunk_gated_delta_rule``: five launches. Parallel over (chunk, value head): ``kkt`` forms
+  ``γ``, ``A = strictlower(β k kᵀ e^{γi−γj})`` and ``K e^{γ_C−γ}``; ``solve`` inverts ``I + A``
+  by forward substitution (a latency-bound loop, kept in a kernel of its own with few registers
+  so many programs share an SM); ``wu`` forms ``W`` and ``U``. Sequential over a request's chunks,
+  parallel over (request, value head, V block): ``state`` carries ``S`` in registers, turns
+  ``U`` into ``V'`` and saves each chunk's entry state. Parallel over (chunk, value head, V
+  block): ``output``. Scratch is float32 (the entry states in the activation dtype for 16-bit
+  models). The chunk → request map is built on the device (no host sync); grids are sized from
+  shapes only.
 * ``fused_recurrent_gated_delta_rule_update``: one launch for every request and value head; each
   program owns a ``[K, BV]`` tile of one slot's state, reads it once and writes it once (float32).
   No host sync, no value-dependent allocation: CUDA-graph capturable.
@@ -59,6 +63,7 @@ from tandem.kernels._utils import (
     next_power_of_2,
     num_compute_units,
     tl,
+    triton_helper,
     triton_kernel,
 )
 from tandem.kernels.causal_conv1d import use_triton
@@ -317,24 +322,122 @@ def _recurrent_update_kernel(
     tl.store(o_ptr + (row * HV + hv) * V + vv, cast(o, o_ptr.dtype.element_ty), mask=v_ok)
 
 
+@triton_helper()
+def _chunk_rows(cu_ptr, chunk_offsets_ptr, num_seqs, chunk, C: tl.constexpr,
+                SEARCH_STEPS: tl.constexpr):
+    """Rows ``[start, end)`` of global chunk ``chunk``: its request is the last ``i`` with
+    ``chunk_offsets[i] <= chunk`` (requests without chunks share their offset with the next one,
+    which wins)."""
+    lo = 0
+    hi = num_seqs - 1
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(chunk_offsets_ptr + mid) <= chunk
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    start = tl.load(cu_ptr + lo) + (chunk - tl.load(chunk_offsets_ptr + lo)) * C
+    end = tl.minimum(start + C, tl.load(cu_ptr + lo + 1))
+    return start, end
+
+
 @triton_kernel
-def _chunk_prepare_kernel(
+def _chunk_kkt_kernel(
     k_ptr,
-    v_ptr,
     g_ptr,
     beta_ptr,
     cu_ptr,
     chunk_offsets_ptr,
-    w_ptr,
+    a_ptr,
     kd_ptr,
-    u_ptr,
     gamma_ptr,
+    num_seqs,
+    stride_k_row,
+    stride_k_head,
+    stride_g_row,
+    stride_b_row,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    C: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    L2NORM: tl.constexpr,
+    EPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (chunk, value head): γ (cumulative log-decay), A = strictlower(β k kᵀ e^{γi−γj}) into
+    a [C, C] scratch tile, and K e^{γ_C−γ} (the keys decayed to the chunk's end)."""
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    start, end = _chunk_rows(cu_ptr, chunk_offsets_ptr, num_seqs, chunk, C, SEARCH_STEPS)
+    ci = tl.arange(0, C)
+    rows = start + ci
+    r_ok = rows < end
+    rows64 = rows.to(tl.int64)
+    kk = tl.arange(0, BK)
+    k_mask = r_ok[:, None] & (kk < K)[None, :]
+    k = tl.load(k_ptr + rows64[:, None] * stride_k_row + (hv // GROUP) * stride_k_head + kk[None, :],
+                mask=k_mask, other=0.0).to(tl.float32)
+    if L2NORM:
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
+    beta = tl.load(beta_ptr + rows64 * stride_b_row + hv, mask=r_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows64 * stride_g_row + hv, mask=r_ok, other=0.0).to(tl.float32)
+    gamma = tl.cumsum(g, 0)
+    tl.store(gamma_ptr + rows64 * HV + hv, gamma, mask=r_ok)
+    # Rows past the chunk's end are masked too: their γ (0) minus a valid γ would overflow exp.
+    strict = (ci[:, None] > ci[None, :]) & r_ok[:, None]
+    decay = tl.exp(tl.where(strict, gamma[:, None] - gamma[None, :], 0.0))
+    a = tl.where(strict, dot(k * beta[:, None], tl.trans(k), PRECISION) * decay, 0.0)
+    tl.store(a_ptr + (chunk.to(tl.int64) * HV + hv) * (C * C) + ci[:, None] * C + ci[None, :], a)
+    gamma_last = tl.sum(tl.where(rows == end - 1, gamma, 0.0), 0)
+    tl.store(kd_ptr + (rows64[:, None] * HV + hv) * K + kk[None, :],
+             k * tl.exp(gamma_last - gamma)[:, None], mask=k_mask)
+
+
+@triton_kernel
+def _chunk_solve_kernel(
+    a_ptr,
+    t_ptr,
+    chunk_offsets_ptr,
+    num_seqs,
+    HV: tl.constexpr,
+    C: tl.constexpr,
+):
+    """One (chunk, value head): T = (I + A)⁻¹ by forward substitution, T[i] = e_i − Σ_{j<i}
+    A[i, j] T[j]. A sequential, latency-bound loop on one [C, C] tile: a kernel of its own with
+    few registers, so many programs share an SM and hide each other's latency."""
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    ci = tl.arange(0, C)
+    base = (chunk.to(tl.int64) * HV + hv) * (C * C)
+    t = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        a_i = tl.load(a_ptr + base + i * C + ci)  # row i of A (zero from column i on)
+        row_i = tl.where(ci == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, 0)
+        t = tl.where(ci[:, None] == i, row_i[None, :], t)
+    tl.store(t_ptr + base + ci[:, None] * C + ci[None, :], t)
+
+
+@triton_kernel
+def _chunk_wu_kernel(
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    gamma_ptr,
+    t_ptr,
+    cu_ptr,
+    chunk_offsets_ptr,
+    w_ptr,
+    u_ptr,
     num_seqs,
     stride_k_row,
     stride_k_head,
     stride_v_row,
     stride_v_head,
-    stride_g_row,
     stride_b_row,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
@@ -348,54 +451,28 @@ def _chunk_prepare_kernel(
     EPS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One (chunk, value head): W = M⁻¹(beta·e^γ·K), U = M⁻¹(beta·V), γ and K e^{γ_C−γ}, into
-    float32 scratch."""
+    """One (chunk, value head): W = T (β e^γ K) and U = T (β V), float32 scratch."""
     chunk = tl.program_id(0)
     hv = tl.program_id(1)
     if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
         return
-    # The chunk's request: the last i with chunk_offsets[i] <= chunk (requests without chunks
-    # share their offset with the next one, which wins).
-    lo = 0
-    hi = num_seqs - 1
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi + 1) // 2
-        ok = tl.load(chunk_offsets_ptr + mid) <= chunk
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    start = tl.load(cu_ptr + lo) + (chunk - tl.load(chunk_offsets_ptr + lo)) * C
-    end = tl.minimum(start + C, tl.load(cu_ptr + lo + 1))
-    rows = start + tl.arange(0, C)
+    start, end = _chunk_rows(cu_ptr, chunk_offsets_ptr, num_seqs, chunk, C, SEARCH_STEPS)
+    ci = tl.arange(0, C)
+    rows = start + ci
     r_ok = rows < end
     rows64 = rows.to(tl.int64)
+    t = tl.load(t_ptr + (chunk.to(tl.int64) * HV + hv) * (C * C) + ci[:, None] * C + ci[None, :])
     kk = tl.arange(0, BK)
-    h = hv // GROUP
-    k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
-                mask=r_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+    k_mask = r_ok[:, None] & (kk < K)[None, :]
+    k = tl.load(k_ptr + rows64[:, None] * stride_k_row + (hv // GROUP) * stride_k_head + kk[None, :],
+                mask=k_mask, other=0.0).to(tl.float32)
     if L2NORM:
         k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
     beta = tl.load(beta_ptr + rows64 * stride_b_row + hv, mask=r_ok, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rows64 * stride_g_row + hv, mask=r_ok, other=0.0).to(tl.float32)
-    gamma = tl.cumsum(g, 0)
-    ci = tl.arange(0, C)
-    # Rows past the chunk's end are masked too: their γ (0) minus a valid γ would overflow exp.
-    strict = (ci[:, None] > ci[None, :]) & r_ok[:, None]
-    decay = tl.exp(tl.where(strict, gamma[:, None] - gamma[None, :], 0.0))
-    kb = k * beta[:, None]
-    a = tl.where(strict, dot(kb, tl.trans(k), PRECISION) * decay, 0.0)
-    # T = (I + A)⁻¹ by forward substitution: T[i] = e_i − Σ_{j<i} A[i, j] T[j].
-    t = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        a_i = tl.sum(tl.where(ci[:, None] == i, a, 0.0), 0)  # row i of A, indexed by column
-        row_i = tl.where(ci == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, 0)
-        t = tl.where(ci[:, None] == i, row_i[None, :], t)
+    gamma = tl.load(gamma_ptr + rows64 * HV + hv, mask=r_ok, other=0.0)
     out_rows = rows64[:, None] * HV + hv
-    k_mask = r_ok[:, None] & (kk < K)[None, :]
-    w = dot(t, kb * tl.exp(gamma)[:, None], PRECISION)
+    w = dot(t, k * (beta * tl.exp(gamma))[:, None], PRECISION)
     tl.store(w_ptr + out_rows * K + kk[None, :], w, mask=k_mask)
-    # K decayed to the chunk's end, for the state update: e^{γ_C − γ_i} k_i.
-    gamma_last = tl.sum(tl.where(rows == end - 1, gamma, 0.0), 0)
-    tl.store(kd_ptr + out_rows * K + kk[None, :], k * tl.exp(gamma_last - gamma)[:, None], mask=k_mask)
     for vb in tl.static_range(0, V, BV):  # U in V blocks: fewer live registers
         vv = vb + tl.arange(0, BV)
         v_mask = r_ok[:, None] & (vv < V)[None, :]
@@ -403,7 +480,6 @@ def _chunk_prepare_kernel(
                     mask=v_mask, other=0.0).to(tl.float32)
         u = dot(t, v * beta[:, None], PRECISION)
         tl.store(u_ptr + out_rows * V + vv[None, :], u, mask=v_mask)
-    tl.store(gamma_ptr + rows64 * HV + hv, gamma, mask=r_ok)
 
 
 @triton_kernel
@@ -503,15 +579,7 @@ def _chunk_output_kernel(
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
     if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
         return
-    lo = 0
-    hi = num_seqs - 1
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi + 1) // 2
-        ok = tl.load(chunk_offsets_ptr + mid) <= chunk
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    start = tl.load(cu_ptr + lo) + (chunk - tl.load(chunk_offsets_ptr + lo)) * C
-    end = tl.minimum(start + C, tl.load(cu_ptr + lo + 1))
+    start, end = _chunk_rows(cu_ptr, chunk_offsets_ptr, num_seqs, chunk, C, SEARCH_STEPS)
     ci = tl.arange(0, C)
     rows = start + ci
     r_ok = rows < end
@@ -559,6 +627,7 @@ def _check_rows(**tensors: torch.Tensor) -> None:
 # gfx942 offline and checks they fit (the default 3 stages of the state kernel need 232 KiB of
 # shared memory at C = 64, K = 128: more than an H100/H200 block may have).
 _PREPARE_BV = 32
+_SOLVE_WARPS = 4
 _STATE_BV = 32
 _STATE_STAGES = 2
 _OUTPUT_BV = 64
@@ -604,12 +673,27 @@ def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has
     h = torch.empty(max_chunks, vheads, kdim, vdim, device=device,
                     dtype=torch.float32 if v.dtype == torch.float32 else v.dtype)
     if rows:
-        _chunk_prepare_kernel.on(device)[(max_chunks, vheads)](
-            k, v, g, beta, cu_seqlens, chunk_offsets, w, kd, u, gamma, batch,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=min(_PREPARE_BV, bv_full), C=chunk_size,
-            SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision,
-            num_warps=_warps(chunk_size, bk),
+        grid = (max_chunks, vheads)
+        a_scratch = torch.empty(max_chunks, vheads, chunk_size, chunk_size, dtype=torch.float32,
+                                device=device)
+        t_scratch = torch.empty_like(a_scratch)
+        warps = _warps(chunk_size, bk)
+        _chunk_kkt_kernel.on(device)[grid](
+            k, g, beta, cu_seqlens, chunk_offsets, a_scratch, kd, gamma, batch,
+            k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
+            HV=vheads, GROUP=group, K=kdim, BK=bk, C=chunk_size, SEARCH_STEPS=search,
+            L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision, num_warps=warps,
+        )
+        _chunk_solve_kernel.on(device)[grid](
+            a_scratch, t_scratch, chunk_offsets, batch, HV=vheads, C=chunk_size,
+            num_warps=_SOLVE_WARPS,
+        )
+        _chunk_wu_kernel.on(device)[grid](
+            k, v, beta, gamma, t_scratch, cu_seqlens, chunk_offsets, w, u, batch,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
+            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=min(_PREPARE_BV, bv_full),
+            C=chunk_size, SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS,
+            PRECISION=precision, num_warps=warps,
         )
     bv = min(_STATE_BV, bv_full)
     _chunk_state_kernel.on(device)[(batch, vheads, cdiv(vdim, bv))](
