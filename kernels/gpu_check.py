@@ -527,12 +527,17 @@ def _gdn_decode_case(device: torch.device, gen: torch.Generator, batch: int, sca
                 ("state", pool[slots.long()], ref_pool[slots.long()]),
                 ("unused_slots_nan", torch.isnan(pool).float(), torch.isnan(ref_pool).float())]
 
+    def run_torch() -> None:  # the PyTorch twin (gather, einsum, scatter), for contrast
+        gated_delta_rule.fused_recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, scale, pool,
+                                                                     slots)
+
     state_bytes = 2 * batch * pool[0].numel() * 4  # read once + written once, float32
     io_bytes = (2 * q.numel() + 2 * v.numel()) * q.element_size() + batch * GDN["vheads"] * 6
     return Case("gdn_recurrent_update", f"B={batch} H={GDN['heads']} HV={GDN['vheads']} K=V=128",
                 {"batch": batch, "state_bytes": state_bytes}, run, compare, prepare,
                 bytes_moved=state_bytes + io_bytes,
-                flops=batch * GDN["vheads"] * GDN["kdim"] * GDN["vdim"] * 8)
+                flops=batch * GDN["vheads"] * GDN["kdim"] * GDN["vdim"] * 8,
+                extra_timings={"torch_twin": run_torch})
 
 
 def _gdn_prefill_case(device: torch.device, gen: torch.Generator, lengths: list[int],
@@ -575,9 +580,14 @@ def _gdn_prefill_case(device: torch.device, gen: torch.Generator, lengths: list[
     macs = chunks * hv * (3 * c * c * kd + 2 * c * c * vd + 3 * c * kd * vd)
     elt = q.element_size()
     io_bytes = tokens * (2 * GDN["heads"] * kd + 2 * hv * vd) * elt + tokens * hv * (4 + elt)
+    def run_chunk32() -> None:  # the other chunk size, so the default can be chosen by timing
+        gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, scale, pool, slots, cu_seqlens,
+                                                has_initial, chunk_size=32)
+
     return Case("gdn_chunk_prefill", f"T={tokens} B={batch} lens={lengths if batch <= 4 else '…'}",
                 {"lengths": lengths, "chunk_size": c}, run, compare, prepare,
-                bytes_moved=io_bytes + 2 * batch * pool[0].numel() * 4, flops=2 * macs)
+                bytes_moved=io_bytes + 2 * batch * pool[0].numel() * 4, flops=2 * macs,
+                extra_timings={"chunk_size_32": run_chunk32})
 
 
 def _gdn_conv_update_case(device: torch.device, gen: torch.Generator, weight: torch.Tensor,
