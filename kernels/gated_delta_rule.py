@@ -406,7 +406,7 @@ def _chunk_solve_kernel(
     C: tl.constexpr,
 ):
     """One (chunk, value head): T = (I + A)⁻¹ by forward substitution, T[i] = e_i − Σ_{j<i}
-    A[i, j] T[j]. A sequential, latency-bound loop on one [C, C] tile: a kernel of its own with
+    A[i, j] T[j] (``t_ptr`` may be ``a_ptr``). A sequential, latency-bound loop on one [C, C] tile: a kernel of its own with
     few registers, so many programs share an SM and hide each other's latency."""
     chunk = tl.program_id(0)
     hv = tl.program_id(1)
@@ -419,6 +419,7 @@ def _chunk_solve_kernel(
         a_i = tl.load(a_ptr + base + i * C + ci)  # row i of A (zero from column i on)
         row_i = tl.where(ci == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, 0)
         t = tl.where(ci[:, None] == i, row_i[None, :], t)
+    tl.debug_barrier()  # T may overwrite A in place: every thread has read its rows of A
     tl.store(t_ptr + base + ci[:, None] * C + ci[None, :], t)
 
 
@@ -676,7 +677,7 @@ def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has
         grid = (max_chunks, vheads)
         a_scratch = torch.empty(max_chunks, vheads, chunk_size, chunk_size, dtype=torch.float32,
                                 device=device)
-        t_scratch = torch.empty_like(a_scratch)
+        t_scratch = a_scratch  # T overwrites A in place
         warps = _warps(chunk_size, bk)
         _chunk_kkt_kernel.on(device)[grid](
             k, g, beta, cu_seqlens, chunk_offsets, a_scratch, kd, gamma, batch,
