@@ -56,6 +56,8 @@ QWEN3 = {"heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "inter": 1
 # the conv runs over q, k and v together (2·H·K + HV·V channels).
 GDN = {"heads": 16, "vheads": 32, "kdim": 128, "vdim": 128, "conv_width": 4}
 GDN_CONV_DIM = 2 * GDN["heads"] * GDN["kdim"] + GDN["vheads"] * GDN["vdim"]
+GDN_PREFILL_LENGTHS = ([4096], [1024] * 4, [3000, 1, 700, 395])  # 4k-token prefill steps
+GDN_DECODE_BATCHES = (1, 64, 256)
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 
@@ -470,18 +472,18 @@ def _gdn_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Itera
     read + written), chunked prefill of 4k tokens, conv1d prefill/update, gated RMSNorm."""
     hv, kd, vd, width = GDN["vheads"], GDN["kdim"], GDN["vdim"], GDN["conv_width"]
     scale = kd**-0.5
-    for batch in (1, 64, 256) if quick else (1, 16, 64, 128, 256):
+    for batch in GDN_DECODE_BATCHES if quick else sorted({*GDN_DECODE_BATCHES, 16, 128}):
         yield _gdn_decode_case(device, gen, batch, scale)
-    for lengths in ([4096], [1024] * 4, [3000, 1, 700, 395]):
+    for lengths in GDN_PREFILL_LENGTHS:
         yield _gdn_prefill_case(device, gen, lengths, scale)
     # Conv1d over q, k, v (8192 channels): decode update and a 4k-token prefill.
     weight = torch.randn(GDN_CONV_DIM, width, device=device, dtype=DTYPE, generator=gen) * 0.5
-    for batch in (1, 64, 256):
+    for batch in GDN_DECODE_BATCHES:
         yield _gdn_conv_update_case(device, gen, weight, batch)
-    for lengths in ([4096], [1024] * 4):
+    for lengths in GDN_PREFILL_LENGTHS[:2]:
         yield _gdn_conv_prefill_case(device, gen, weight, lengths)
     norm_weight = 1 + 0.1 * torch.randn(vd, device=device, dtype=DTYPE, generator=gen)
-    for tokens in (1, 256, 4096):
+    for tokens in (1, 256, sum(GDN_PREFILL_LENGTHS[0])):
         x = torch.randn(tokens * hv, vd, device=device, dtype=DTYPE, generator=gen)
         z = torch.randn(tokens * hv, vd, device=device, dtype=DTYPE, generator=gen)
         holder: dict[str, torch.Tensor] = {}
