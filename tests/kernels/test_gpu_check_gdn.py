@@ -7,9 +7,19 @@ import os
 # Triton reads this when triton.language is first imported (kernels import it lazily, at launch).
 os.environ["TRITON_INTERPRET"] = "1"
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tandem.kernels import gpu_check  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster than several fighting over a shared box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_gdn_cases_check_out_on_cpu(monkeypatch) -> None:
