@@ -31,8 +31,9 @@ Implementations: ``gated_delta_rule_naive`` (the per-token loop; the ground trut
 
 * ``chunk_gated_delta_rule``: five launches. Parallel over (chunk, value head): ``kkt`` forms
   ``γ``, ``A = strictlower(β k kᵀ e^{γi−γj})`` and ``K e^{γ_C−γ}``; ``solve`` inverts ``I + A``
-  by forward substitution (a latency-bound loop, kept in a kernel of its own with few registers
-  so many programs share an SM); ``wu`` forms ``W`` and ``U``. Sequential over a request's chunks,
+  in place by blocked forward substitution (the 16×16 diagonal blocks together in 15 dependent
+  steps, then one block row at a time with exact float32 products; a kernel of its own, with few
+  registers, so many programs share an SM); ``wu`` forms ``W`` and ``U``. Sequential over a request's chunks,
   parallel over (request, value head, V block): ``state`` carries ``S`` in registers, turns
   ``U`` into ``V'`` and saves each chunk's entry state. Parallel over (chunk, value head, V
   block): ``output``. Scratch is float32 (the entry states in the activation dtype for 16-bit
@@ -399,28 +400,53 @@ def _chunk_kkt_kernel(
 @triton_kernel
 def _chunk_solve_kernel(
     a_ptr,
-    t_ptr,
     chunk_offsets_ptr,
     num_seqs,
     HV: tl.constexpr,
     C: tl.constexpr,
+    BS: tl.constexpr,
 ):
-    """One (chunk, value head): T = (I + A)⁻¹ by forward substitution, T[i] = e_i − Σ_{j<i}
-    A[i, j] T[j] (``t_ptr`` may be ``a_ptr``). A sequential, latency-bound loop on one [C, C] tile: a kernel of its own with
-    few registers, so many programs share an SM and hide each other's latency."""
+    """One (chunk, value head): T = (I + A)⁻¹ over A's [C, C] scratch tile, written in place.
+
+    Blocked forward substitution with BS-row blocks: first the inverses of all C/BS diagonal
+    blocks at once (BS − 1 dependent steps on a [C/BS, BS, BS] tile), then block row r of T is
+    ``Dr⁻¹ (E_r − A[r, :r] T[:r])`` — two exact float32 products per block row. The dependent
+    chain is BS − 1 + C/BS steps instead of C − 1.
+    """
     chunk = tl.program_id(0)
     hv = tl.program_id(1)
     if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
         return
-    ci = tl.arange(0, C)
-    base = (chunk.to(tl.int64) * HV + hv) * (C * C)
-    t = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        a_i = tl.load(a_ptr + base + i * C + ci)  # row i of A (zero from column i on)
-        row_i = tl.where(ci == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, 0)
-        t = tl.where(ci[:, None] == i, row_i[None, :], t)
-    tl.debug_barrier()  # T may overwrite A in place: every thread has read its rows of A
-    tl.store(t_ptr + base + ci[:, None] * C + ci[None, :], t)
+    NB: tl.constexpr = C // BS
+    base = a_ptr + (chunk.to(tl.int64) * HV + hv) * (C * C)
+    nb = tl.arange(0, NB)
+    ri = tl.arange(0, BS)
+    # Stage 1: D_b⁻¹ for every diagonal block b; row s = e_s − Σ_{j<s} D_b[s, j] D_b⁻¹[j].
+    diag = (nb[:, None, None] * BS + ri[None, :, None]) * C + nb[:, None, None] * BS + ri[None, None, :]
+    dinv = tl.where(ri[None, :, None] == ri[None, None, :], 1.0, 0.0) + tl.zeros([NB, BS, BS], tl.float32)
+    for s in range(1, BS):
+        d_s = tl.load(base + (nb[:, None] * BS + s) * C + nb[:, None] * BS + ri[None, :])  # [NB, BS]
+        row = tl.where(ri[None, :] == s, 1.0, 0.0) - tl.sum(d_s[:, :, None] * dinv, 1)
+        dinv = tl.where(ri[None, :, None] == s, row[:, None, :], dinv)
+    tl.debug_barrier()  # every thread has read the diagonal blocks of A
+    tl.store(base + diag, dinv)  # D_b⁻¹ replaces D_b (A's diagonal blocks are no longer needed)
+    tl.debug_barrier()
+    # Stage 2: block rows in order; rows of T replace rows of A as they are done.
+    cols = tl.arange(0, C)
+    for r in tl.static_range(NB):
+        rows = r * BS + ri
+        rhs = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)  # E_r
+        if r > 0:
+            a_r = tl.load(base + rows[:, None] * C + cols[None, :],
+                          mask=(cols < r * BS)[None, :], other=0.0)
+            t_done = tl.load(base + cols[:, None] * C + cols[None, :],
+                             mask=(cols < r * BS)[:, None], other=0.0)
+            rhs = rhs - dot(a_r, t_done, "ieee")
+        d_inv = tl.load(base + rows[:, None] * C + r * BS + ri[None, :])
+        t_r = dot(d_inv, rhs, "ieee")
+        tl.debug_barrier()  # the block row's A (and D_r⁻¹) are read before T overwrites them
+        tl.store(base + rows[:, None] * C + cols[None, :], t_r)
+        tl.debug_barrier()  # the next block row reads these rows of T
 
 
 @triton_kernel
@@ -629,6 +655,7 @@ def _check_rows(**tensors: torch.Tensor) -> None:
 # shared memory at C = 64, K = 128: more than an H100/H200 block may have).
 _PREPARE_BV = 32
 _SOLVE_WARPS = 4
+_SOLVE_BLOCK = 16  # rows per block of the blocked forward substitution (tl.dot needs >= 16)
 _STATE_BV = 32
 _STATE_STAGES = 2
 _OUTPUT_BV = 64
@@ -677,7 +704,6 @@ def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has
         grid = (max_chunks, vheads)
         a_scratch = torch.empty(max_chunks, vheads, chunk_size, chunk_size, dtype=torch.float32,
                                 device=device)
-        t_scratch = a_scratch  # T overwrites A in place
         warps = _warps(chunk_size, bk)
         _chunk_kkt_kernel.on(device)[grid](
             k, g, beta, cu_seqlens, chunk_offsets, a_scratch, kd, gamma, batch,
@@ -685,12 +711,12 @@ def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has
             HV=vheads, GROUP=group, K=kdim, BK=bk, C=chunk_size, SEARCH_STEPS=search,
             L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision, num_warps=warps,
         )
-        _chunk_solve_kernel.on(device)[grid](
-            a_scratch, t_scratch, chunk_offsets, batch, HV=vheads, C=chunk_size,
+        _chunk_solve_kernel.on(device)[grid](  # T = (I + A)⁻¹, in place
+            a_scratch, chunk_offsets, batch, HV=vheads, C=chunk_size, BS=_SOLVE_BLOCK,
             num_warps=_SOLVE_WARPS,
         )
         _chunk_wu_kernel.on(device)[grid](
-            k, v, beta, gamma, t_scratch, cu_seqlens, chunk_offsets, w, u, batch,
+            k, v, beta, gamma, a_scratch, cu_seqlens, chunk_offsets, w, u, batch,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
             HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=min(_PREPARE_BV, bv_full),
             C=chunk_size, SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS,
