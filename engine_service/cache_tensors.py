@@ -25,6 +25,18 @@ class CacheTensors:
     latent: dict[int, torch.Tensor] = field(default_factory=dict)
     state: dict[str, dict[int, list[torch.Tensor]]] = field(default_factory=dict)
 
+    def layer_caches(self) -> list:
+        """Per layer, what the model's forward reads for it: the attention cache tensor, or for a
+        layer with only a state (a Gated DeltaNet layer) the tuple of its state pools (one tensor
+        per `StateSpec` shape, in order). A layer with both gets its attention cache here (no
+        model has such a layer yet; it would read `state` itself)."""
+        per_layer: list = list(self.kv_caches)
+        for layers in self.state.values():
+            for layer, tensors in layers.items():
+                if per_layer[layer] is None:
+                    per_layer[layer] = tuple(tensors)
+        return per_layer
+
     def total_bytes(self) -> int:
         tensors = [t for t in self.kv_caches if t is not None] + list(self.latent.values())
         tensors += [t for layers in self.state.values() for ts in layers.values() for t in ts]

@@ -11,6 +11,12 @@ dropped. Steps with prefill tokens, and batches beyond the largest bucket, run e
 The split-KV decode kernel's split count is a launch parameter, so it is fixed per bucket at
 capture (from the bucket size and the block table's full width, never from the data).
 
+Models with state cache groups (Gated DeltaNet) also read a fixed `state_indices` buffer: each
+row's slot in the state pools, padded rows pointing at the scratch slot one past the pool (the
+runner allocates it), so a dummy row's recurrent and convolution state writes land there. Only
+steps whose every row continues its state (`has_initial_state`) replay a graph: the
+single-token state kernels read the slot as the request's state.
+
 Capture happens once at start-up, after the KV cache is allocated: each bucket is first run
 eagerly (compiling every Triton variant it needs) and then captured, largest first, into one
 memory pool shared by all graphs (they never run at the same time).
@@ -80,6 +86,8 @@ class PaddedDecode:
     block_tables: np.ndarray  # [bucket, width] int32
     # (block_tables, slot_mapping) of paged cache groups 1.., padded the same way.
     extra_groups: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    # [bucket] int32 state slots (models with state groups), padded with the scratch slot.
+    state_indices: np.ndarray | None = None
 
 
 def _pad_group(tables: np.ndarray, slots: np.ndarray, bucket: int, scratch_block: int,
@@ -92,9 +100,11 @@ def _pad_group(tables: np.ndarray, slots: np.ndarray, bucket: int, scratch_block
 
 
 def pad_decode_inputs(host: HostInputs, bucket: int, scratch_block: int, block_size: int,
-                      extra_scratch_blocks: list[int] | tuple[int, ...] = ()) -> PaddedDecode:
+                      extra_scratch_blocks: list[int] | tuple[int, ...] = (),
+                      scratch_state_slot: int | None = None) -> PaddedDecode:
     """Pad a pure-decode step to `bucket` rows of dummies that only touch `scratch_block` (and,
-    in paged cache group g >= 1, `extra_scratch_blocks[g - 1]`)."""
+    in paged cache group g >= 1, `extra_scratch_blocks[g - 1]`; in the state pools,
+    `scratch_state_slot`)."""
     n = host.num_seqs
     if not host.is_pure_decode:
         raise ValueError("only pure-decode steps (one token per sequence) can be padded for a graph")
@@ -109,6 +119,11 @@ def pad_decode_inputs(host: HostInputs, bucket: int, scratch_block: int, block_s
     tables[:n] = host.block_tables
     if len(host.extra_groups) != len(extra_scratch_blocks):
         raise ValueError(f"the step has {len(host.extra_groups)} extra cache groups, the graphs {len(extra_scratch_blocks)}")
+    if (host.state_indices is None) != (scratch_state_slot is None):
+        raise ValueError("state slots and a scratch state slot go together (models with state groups)")
+    state_indices = None
+    if host.state_indices is not None:
+        state_indices = padded(host.state_indices.astype(np.int32), scratch_state_slot)  # type: ignore[arg-type]
     return PaddedDecode(
         input_ids=padded(host.input_ids, 0),
         positions=padded(host.positions, 0),
@@ -117,6 +132,7 @@ def pad_decode_inputs(host: HostInputs, bucket: int, scratch_block: int, block_s
         block_tables=tables,
         extra_groups=[_pad_group(t, sl, bucket, scratch, block_size)
                       for (t, sl), scratch in zip(host.extra_groups, extra_scratch_blocks)],
+        state_indices=state_indices,
     )
 
 
@@ -145,6 +161,7 @@ class DecodeCudaGraphs:
         capture_graphs: bool = True,
         sliding_window: int | None = None,
         extra_scratch_blocks: list[int] | tuple[int, ...] = (),
+        scratch_state_slot: int | None = None,
     ) -> None:
         if not sizes or sizes != sorted(set(sizes)):
             raise ValueError(f"bucket sizes must be ascending and distinct, got {sizes}")
@@ -178,6 +195,13 @@ class DecodeCudaGraphs:
              torch.full((largest,), scratch * block_size, dtype=torch.int64, device=device))
             for scratch in self.extra_scratch_blocks
         ]
+        # State slots (models with state groups): every row starts on the scratch slot; a
+        # captured decode step always continues a state (see `can_run`).
+        self.scratch_state_slot = scratch_state_slot
+        self.state_indices = self.has_initial_state = None
+        if scratch_state_slot is not None:
+            self.state_indices = torch.full((largest,), scratch_state_slot, dtype=torch.int32, device=device)
+            self.has_initial_state = torch.ones(largest, dtype=torch.bool, device=device)
         self._row_ids = torch.arange(largest, dtype=torch.int64, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._logits: dict[int, torch.Tensor] = {}
@@ -200,6 +224,9 @@ class DecodeCudaGraphs:
             query_lens_cpu=[1] * bucket,
             decode_num_splits=self.num_splits[bucket],
             extra_groups=tuple((tables[:bucket], slots[:bucket]) for tables, slots in self.extra_groups),
+            state_indices=None if self.state_indices is None else self.state_indices[:bucket],
+            has_initial_state=None if self.has_initial_state is None else self.has_initial_state[:bucket],
+            has_initial_state_cpu=None if self.state_indices is None else [True] * bucket,
         )
 
     def _forward(self, bucket: int, metadata: AttentionMetadata) -> torch.Tensor:
@@ -242,8 +269,13 @@ class DecodeCudaGraphs:
         )
 
     def can_run(self, host: HostInputs) -> bool:
-        """A pure-decode step that fits a captured bucket and the fixed block-table width."""
+        """A pure-decode step that fits a captured bucket and the fixed block-table width (and,
+        with state groups, whose every row continues the state in its slot)."""
         if not self._graphs or not host.is_pure_decode:
+            return False
+        if (host.state_indices is None) != (self.state_indices is None):
+            return False
+        if host.has_initial_state is not None and not host.has_initial_state.all():
             return False
         return (
             host.num_seqs <= self.captured_sizes[-1]
@@ -259,12 +291,18 @@ class DecodeCudaGraphs:
         bucket = bucket_for(host.num_seqs, self.captured_sizes)
         if bucket is None or not self.can_run(host):
             raise ValueError(f"no captured graph runs this step ({host.num_seqs} sequences)")
-        padded = pad_decode_inputs(host, bucket, self.scratch_block, self.block_size, self.extra_scratch_blocks)
+        padded = pad_decode_inputs(host, bucket, self.scratch_block, self.block_size, self.extra_scratch_blocks,
+                                   self.scratch_state_slot)
         extra = [a for pair in padded.extra_groups for a in pair]
-        (ids, pos, slots, lens, tables, rows, *extra_tensors), fill_pending = ship_step_arrays([
+        state = [] if padded.state_indices is None else [padded.state_indices]
+        (ids, pos, slots, lens, tables, rows, *rest), fill_pending = ship_step_arrays([
             padded.input_ids, padded.positions, padded.slot_mapping, padded.seq_lens,
-            padded.block_tables, host.logits_indices, *extra,
+            padded.block_tables, host.logits_indices, *state, *extra,
         ], host, self.device, staging, previous_tokens)
+        if state:
+            assert self.state_indices is not None
+            self.state_indices[:bucket].copy_(rest[0])
+        extra_tensors = rest[len(state):]
         self.input_ids[:bucket].copy_(ids)
         fill_pending(self.input_ids)
         self.positions[:bucket].copy_(pos)

@@ -25,7 +25,113 @@ _QWEN3_COMMON: dict[str, Any] = {
     "eos_token_id": 151645,
 }
 
+# Qwen/Qwen3-Next-80B-A3B-Instruct's config.json: the layer shapes of the hybrid MoE model.
+_QWEN3_NEXT_80B: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "attention_bias": False,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000000.0,
+    "partial_rotary_factor": 0.25,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+# Test-sized hybrids: 4 layers (3 Gated DeltaNet, then 1 gated attention, transformers' default
+# pattern), 2 key heads serving 4 value heads in the GDN layers, partial RoPE (8 of 32 dims).
+_TINY_HYBRID: dict[str, Any] = {
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "attention_bias": False,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False,
+    "vocab_size": 320,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_TINY_MOE: dict[str, Any] = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
+
 DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Qwen3-Next-80B-A3B's layer shapes with 12 of its 48 layers (9 GDN + 3 attention, the same
+    # 3:1 pattern): ~20 B parameters, so it fits one H200 in bfloat16 with room for the caches.
+    "qwen3-next-80b-a3b": {**_QWEN3_NEXT_80B, "num_hidden_layers": 12},
+    # Qwen3.5 dense at transformers' Qwen3_5TextConfig defaults (its docstring: "Qwen3.5-9B style"):
+    # 32 layers (24 GDN + 8 gated attention).
+    "qwen3.5-9b": {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "attention_bias": False,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False,
+        "vocab_size": 248320,
+    },
+    "tiny-qwen3-next": {
+        **_TINY_HYBRID, **_TINY_MOE,
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "decoder_sparse_step": 2,  # layers 1 and 3 MoE, 0 and 2 dense: both feed-forwards covered
+        "norm_topk_prob": True,
+    },
+    "tiny-qwen3.5": {**_TINY_HYBRID, "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"},
+    "tiny-qwen3.5-moe": {
+        **_TINY_HYBRID, **_TINY_MOE,
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+    },
     # Qwen/Qwen3-0.6B
     "qwen3-0.6b": {
         **_QWEN3_COMMON,

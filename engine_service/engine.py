@@ -72,9 +72,16 @@ class LLMEngine:
         self.runner = runner or ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
         plan = getattr(self.runner, "memory_plan", None)  # stand-in runners have one plain pool
+        prefix_caching = config.cache.enable_prefix_caching
+        if prefix_caching and not getattr(self.runner, "supports_prefix_caching", True):
+            # A hybrid model's prefix hit would reuse K/V but not the recurrent state at that
+            # position; until state checkpoints exist, such models recompute every prompt.
+            log.info("prefix caching off: the model's per-request state cannot be restored at a prefix hit",
+                     architecture=getattr(self.runner, "architecture", None))
+            prefix_caching = False
         self.block_manager = (
-            BlockManager.from_plan(plan, config.cache.enable_prefix_caching) if plan is not None
-            else BlockManager(self.runner.num_blocks, self.runner.block_size, config.cache.enable_prefix_caching)
+            BlockManager.from_plan(plan, prefix_caching) if plan is not None
+            else BlockManager(self.runner.num_blocks, self.runner.block_size, prefix_caching)
         )
         # Disaggregated prefill/decode (None unless --kv-role): leases, loads, the pull server.
         self.kv: KVConnector | None = build_kv_connector(config.kv_transfer, self.block_manager, self.runner,

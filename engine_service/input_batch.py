@@ -82,6 +82,10 @@ class HostInputs:
     pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # (block_tables, slot_mapping) of paged cache groups 1, 2, ... (group 0's are the fields above).
     extra_groups: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    # Models with state groups: [B] int32 state slot and [B] bool "the slot holds this
+    # sequence's state" (False on the first chunk after admission or resume); None otherwise.
+    state_indices: np.ndarray | None = None
+    has_initial_state: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -148,7 +152,8 @@ def prepare_host_inputs(batch: SequenceOf[ScheduledLike], block_size: int) -> Ho
         num_tokens += n
     group_tables = [[item.seq.block_tables[g] for item in batch] for g in range(len(batch[0].seq.block_tables))]
     return assemble_host_inputs(token_chunks, query_lens, seq_lens, group_tables, sample, block_size,
-                                np.asarray(pending_dst, dtype=np.int64), np.asarray(pending_src, dtype=np.int64))
+                                np.asarray(pending_dst, dtype=np.int64), np.asarray(pending_src, dtype=np.int64),
+                                [item.seq.state_slot for item in batch])
 
 
 def assemble_host_inputs(
@@ -160,13 +165,18 @@ def assemble_host_inputs(
     block_size: int,
     pending_dst: np.ndarray,
     pending_src: np.ndarray,
+    state_slots: SequenceOf[int | None] | None = None,
 ) -> HostInputs:
     """`HostInputs` from per-entry lists: entry i runs `token_chunks[i]` (`query_lens[i]` tokens
     ending at position `seq_lens[i] - 1`) over block table `group_tables[g][i]` in each paged
     cache group g (group 0's arrays are the `block_tables`/`slot_mapping` fields, the others
     `extra_groups`; both via `group_tables.group_arrays`), and yields logits when `sample[i]`.
     Shared by the worker's rows (`worker_rows.host_inputs_from_rows`) and the
-    Sequence-shaped batches of `prepare_host_inputs`."""
+    Sequence-shaped batches of `prepare_host_inputs`.
+
+    `state_slots[i]` is entry i's state slot (models with state groups: every entry has one);
+    the state arrays are built when every entry has one, and an entry continues the state in its
+    slot unless it starts at position 0 (`has_initial_state`)."""
     num_seqs = len(query_lens)
     num_tokens = sum(query_lens)
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
@@ -182,6 +192,12 @@ def assemble_host_inputs(
     (block_tables, slot_mapping), *extra_groups = group_arrays(group_tables, seq_index, positions, block_size)
 
     input_ids = np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64, count=num_tokens)
+    # Only when every entry holds a slot (a model with state groups gives each request one; a
+    # hybrid layer handed a step without them fails loudly rather than read a wrong slot).
+    state_indices = has_initial_state = None
+    if state_slots is not None and state_slots and all(s is not None for s in state_slots):
+        state_indices = np.asarray(state_slots, dtype=np.int32)
+        has_initial_state = seq_lens_np > query_lens_np
     return HostInputs(
         input_ids=input_ids,
         positions=positions.astype(np.int64),
@@ -195,6 +211,8 @@ def assemble_host_inputs(
         pending_dst=pending_dst,
         pending_src=pending_src,
         extra_groups=extra_groups,
+        state_indices=state_indices,
+        has_initial_state=has_initial_state,
     )
 
 
@@ -238,17 +256,22 @@ def host_to_device(
 ) -> ModelInputs:
     """Device tensors for `host`, pending tokens filled in from `previous_tokens`."""
     extra = [a for pair in host.extra_groups for a in pair]
+    state = [] if host.state_indices is None else [host.state_indices, host.has_initial_state]
     tensors, fill_pending = ship_step_arrays(
-        [*(getattr(host, n) for n in _ARRAY_FIELDS), *extra], host, device, staging, previous_tokens
+        [*(getattr(host, n) for n in _ARRAY_FIELDS), *state, *extra], host, device, staging, previous_tokens
     )
     arrays = dict(zip(_ARRAY_FIELDS, tensors))
-    extra_tensors = tensors[len(_ARRAY_FIELDS):]
+    state_tensors = tensors[len(_ARRAY_FIELDS) : len(_ARRAY_FIELDS) + len(state)]
+    extra_tensors = tensors[len(_ARRAY_FIELDS) + len(state) :]
     extra_groups = tuple(zip(extra_tensors[0::2], extra_tensors[1::2]))
     input_ids = arrays.pop("input_ids")
     fill_pending(input_ids)
     metadata = AttentionMetadata(
         **arrays, seq_lens_cpu=host.seq_lens_cpu, query_lens_cpu=host.query_lens_cpu, extra_groups=extra_groups
     )
+    if state_tensors:
+        metadata.state_indices, metadata.has_initial_state = state_tensors
+        metadata.has_initial_state_cpu = host.has_initial_state.tolist()
     return ModelInputs(input_ids=input_ids, metadata=metadata)
 
 

@@ -34,7 +34,6 @@ from tandem.engine_service.layers.attention import select_attention_backend
 from tandem.engine_service.layers.linear import default_weight_loader
 from tandem.engine_service.layers.moe import ExpertWeights, per_expert_checkpoint_name
 from tandem.engine_service.layers.norm import RMSNorm
-from tandem.engine_service.models.llama import LlamaForCausalLM
 from tandem.engine_service.models.registry import get_model_class
 from tandem.model_spec import DUMMY_PREFIX, EMBEDDED_MODELS, embedded_model_path, is_hub_id, resolve_hub_model
 
@@ -187,7 +186,7 @@ def build_model(
     dtype: torch.dtype,
     seed: int = 0,
     attention_backend: str = "auto",
-) -> LlamaForCausalLM:
+) -> nn.Module:
     """Construct the model on `device` in `dtype` and fill it (checkpoint or seeded dummy).
 
     `attention_backend` (`auto`, `torch`, `triton`) picks the attention implementation and,
@@ -226,8 +225,11 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     `lm_head.weight` is accepted and skipped). MoE experts load from either layout: stacked
     (`experts.gate_up_proj`, `experts.down_proj`, by name) or one tensor per expert
     (`experts.{e}.gate_proj.weight` ...), stacked here; a stacked parameter counts as loaded once
-    every expert's every part arrived.
+    every expert's every part arrived. A model may rename checkpoint names, or drop tensors it
+    does not serve, with a static `checkpoint_name(name) -> str | None` (e.g. the text part of a
+    vision-language checkpoint); names in messages are the checkpoint's.
     """
+    rename = getattr(model, "checkpoint_name", None)
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"no *.safetensors files in {path}")
@@ -241,29 +243,30 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     misshapen: list[str] = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if _is_ignored_checkpoint_name(name) or name in aliases:
+            for stored in f.keys():
+                name = rename(stored) if rename is not None else stored
+                if name is None or _is_ignored_checkpoint_name(name) or name in aliases:
                     continue
                 param = params.get(name)
                 if param is None:
                     per_expert = per_expert_checkpoint_name(name)
                     owner = experts.get(per_expert[0]) if per_expert else None
                     if per_expert is None or owner is None:
-                        unexpected.append(name)
+                        unexpected.append(stored)
                         continue
                     stacked, expert, proj = per_expert
                     try:
-                        owner.load_expert(proj, expert, f.get_tensor(name))
+                        owner.load_expert(proj, expert, f.get_tensor(stored))
                     except ValueError as e:
-                        misshapen.append(f"{name}: {e}")
+                        misshapen.append(f"{stored}: {e}")
                         continue
                     expert_parts.setdefault(stacked, set()).add((expert, proj))
                     continue
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
-                    loader(param, f.get_tensor(name))
+                    loader(param, f.get_tensor(stored))
                 except ValueError as e:
-                    misshapen.append(f"{name}: {e}")
+                    misshapen.append(f"{stored}: {e}")
                     continue
                 loaded.add(name)
     for stacked, parts in expert_parts.items():
@@ -287,13 +290,15 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Seeded random weights on the parameters' own device: normal(0, std), norm scales at 1.
 
     Small weights keep activations and logits in a realistic, non-degenerate range; the same
-    seed gives the same weights on the same device type.
+    seed gives the same weights on the same device type. A module with a `dummy_weight_value`
+    (a zero-centred norm: 0) gets its weight filled with that instead.
     """
-    norm_params = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    fills = {id(m.weight): 1.0 for m in model.modules() if isinstance(m, RMSNorm)}
+    fills |= {id(m.weight): float(m.dummy_weight_value) for m in model.modules() if hasattr(m, "dummy_weight_value")}
     generators: dict[torch.device, torch.Generator] = {}
     for _, param in model.named_parameters():
-        if id(param) in norm_params:
-            param.fill_(1.0)
+        if id(param) in fills:
+            param.fill_(fills[id(param)])
             continue
         gen = generators.get(param.device)
         if gen is None:

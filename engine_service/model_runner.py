@@ -71,6 +71,8 @@ class ModelRunner:
         self.attention_backend: str = self.model.attn_backend.name
         arch = self.model.config
         self.architecture = type(self.model).__name__
+        # False for models whose state a prefix hit cannot restore (hybrid models, for now).
+        self.supports_prefix_caching: bool = getattr(self.model, "supports_prefix_caching", True)
         self.arch_config = arch
         self.vocab_size = arch.vocab_size
         self.eos_token_ids = read_eos_token_ids(resolved)
@@ -116,6 +118,12 @@ class ModelRunner:
         """Per layer, the attention cache it reads (the model's `kv_caches` argument)."""
         return self.cache_tensors.kv_caches
 
+    @property
+    def layer_caches(self) -> list:
+        """Per layer, what the model reads: its attention cache, or its state pools (a tuple)."""
+        tensors = self.cache_tensors
+        return tensors.kv_caches if not tensors.state else tensors.layer_caches()
+
     @kv_caches.setter
     def kv_caches(self, caches: list[torch.Tensor | None]) -> None:
         # Replaced, not copied: whoever swaps the caches (the throughput bench's HF peer) frees
@@ -128,7 +136,7 @@ class ModelRunner:
             return
         windows = [g.sliding_window for g in self.memory_plan.paged_groups]
         graphs = DecodeCudaGraphs(
-            self.model, self.kv_caches,
+            self.model, self.layer_caches,
             sizes=capture_sizes(config.scheduler.max_num_seqs),
             block_size=self.block_size,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
@@ -139,6 +147,8 @@ class ModelRunner:
             sliding_window=None if None in windows else max(windows),
             # Each further paged group pads into its own scratch block, one past its pool.
             extra_scratch_blocks=[g.num_blocks for g in self.memory_plan.paged_groups[1:]],
+            # Padded rows of a model with state groups write their state one slot past the pool.
+            scratch_state_slot=self.memory_plan.num_state_slots if self.memory_plan.state_groups else None,
         )
         try:
             graphs.capture()
@@ -158,7 +168,7 @@ class ModelRunner:
             return self.cuda_graphs.run(host, self._staging, previous_tokens)
         inputs = host_to_device(host, self.device, self._staging, previous_tokens)
         md = inputs.metadata
-        hidden = self.model(inputs.input_ids, md.positions, self.kv_caches, md)
+        hidden = self.model(inputs.input_ids, md.positions, self.layer_caches, md)
         return self.model.compute_logits(hidden.index_select(0, md.logits_indices)).float()
 
     def execute(

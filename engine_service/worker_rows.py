@@ -233,8 +233,9 @@ def host_inputs_from_rows(batch: StepBatch, block_size: int) -> HostInputs:
     """The step's host arrays from the rows: for each entry the tokens
     `[num_computed, num_computed + num_scheduled)` of its row, its block table in every cache
     group (each must cover them; tables and slot mappings via `assemble_host_inputs`, the same
-    code the Sequence-shaped path uses) and, for a pending last token, its source row. Only a
-    row's last scheduled token may be pending."""
+    code the Sequence-shaped path uses), its state slot (models with state groups; the entry
+    continues the slot's state unless it starts at position 0) and, for a pending last token,
+    its source row. Only a row's last scheduled token may be pending."""
     if not batch.rows:
         raise ValueError("empty batch")
     token_chunks: list[list[int]] = []
@@ -267,4 +268,4 @@ def host_inputs_from_rows(batch: StepBatch, block_size: int) -> HostInputs:
     group_tables = [batch.block_tables(g) for g in range(len(batch.rows[0].block_ids))]
     return assemble_host_inputs(token_chunks, batch.num_scheduled_tokens, seq_lens, group_tables, batch.sample,
                                 block_size, np.asarray(pending_dst, dtype=np.int64),
-                                np.asarray(pending_src, dtype=np.int64))
+                                np.asarray(pending_src, dtype=np.int64), [row.state_slot for row in batch.rows])

@@ -50,6 +50,15 @@ class AttentionMetadata:
     decode_num_splits: int | None = None
     # (block_tables, slot_mapping) of paged cache groups 1, 2, ...; the fields above are group 0's.
     extra_groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    # Models with state cache groups (Gated DeltaNet): each sequence's slot in the state pools
+    # ([B] int32; padded CUDA-graph rows hold the scratch slot), and whether that slot already
+    # holds the sequence's state ([B] bool; False on its first chunk after admission or resume,
+    # so the kernels start from zeros whatever a previous owner left). None without state groups.
+    state_indices: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
+    # Host copy of `has_initial_state`: a pure-decode step takes the single-token state kernels
+    # only when every sequence continues a state (a 1-token prompt is a "decode" that starts one).
+    has_initial_state_cpu: list[bool] | None = None
     _group_views: dict[int, "AttentionMetadata"] = field(default_factory=dict, repr=False, compare=False)
 
     def for_group(self, group: int) -> "AttentionMetadata":
@@ -87,6 +96,11 @@ class AttentionMetadata:
     def is_pure_decode(self) -> bool:
         """Every sequence contributes exactly one token (the decode-kernel fast path)."""
         return all(q == 1 for q in self.query_lens_cpu)
+
+    @cached_property
+    def is_state_decode(self) -> bool:
+        """Pure decode where every sequence continues its state (the single-token state kernels)."""
+        return self.is_pure_decode and all(self.has_initial_state_cpu or ())
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

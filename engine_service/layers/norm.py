@@ -54,3 +54,44 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}" + (", fused" if self.fused else "")
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose scale is stored as an offset from one: `x / rms(x) * (1 + weight)`.
+
+    The Qwen3-Next / Qwen3.5 convention (transformers' `Qwen3NextRMSNorm`): the whole product is
+    formed in float32 and cast back once (unlike `RMSNorm`, which casts before scaling), and a
+    zero weight is the identity scale. `forward(x, residual)` fuses the preceding residual add
+    as `RMSNorm` does and returns `(normalised, new_residual)`.
+    """
+
+    # What `loader.init_dummy_weights` fills the weight with (the identity scale).
+    dummy_weight_value = 0.0
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, zero_centered"

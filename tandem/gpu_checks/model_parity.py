@@ -2,6 +2,11 @@
 
 Usage: ``python -P -m tandem.gpu_checks.model_parity --out DIR [--model dummy:qwen3-0.6b]``.
 
+Hybrid models (Gated DeltaNet + attention) run the same parts: e.g. ``--model dummy:tiny-qwen3.5``
+or ``dummy:qwen3-next-80b-a3b``; the Triton engines then also run the GDN kernels (conv1d, gated
+delta rule, gated norm) and decode through CUDA graphs with fixed state-slot buffers, against
+the PyTorch twins of the reference engine.
+
 Three engines are built on the same seeded dummy weights (bf16, CUDA):
 
 * ``reference``     — PyTorch reference attention and layers, eager;
@@ -194,7 +199,10 @@ def part_build(args: argparse.Namespace, variants: dict[str, Variant]) -> dict[s
 def _weight_fingerprint(model: torch.nn.Module) -> list[float]:
     """Sums of a few weights, among them slices of the fused path's merged q/k/v and gate/up."""
     names = ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",
-             "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_norm.weight")
+             "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_norm.weight",
+             # hybrid models: a GDN layer (Qwen3.5 / Qwen3-Next projections) and an attention one
+             "model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.in_proj_qkvz.weight",
+             "model.layers.0.linear_attn.A_log", "model.layers.3.self_attn.q_proj.weight")
     params = dict(model.named_parameters())
     return [round(float(params[n].double().sum()), 6) for n in names if n in params]
 
