@@ -131,13 +131,69 @@ class ModelConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 
 
+KV_ROLES = ("none", "producer", "consumer", "both")
+KV_TRANSPORTS = ("tcp", "cuda_ipc", "nixl")
+
+
+@dataclass
+class KVTransferConfig:
+    """Disaggregated prefill/decode: this engine's role and where it serves KV pulls.
+
+    `producer`: a request with `do_remote_decode` keeps its prompt's blocks under a lease after
+    its one token, and the engine serves pulls of them on `transfer_address`. `consumer`: a
+    request with `do_remote_prefill` pulls the blocks it does not hold from the producer named
+    in its parameters. `both`: either. `none` (default): transfer parameters are echoed only.
+    """
+
+    role: str = _opt("none", "disaggregated prefill/decode role: producer keeps a prefill's KV under a lease "
+                     "and serves pulls; consumer pulls it for the decode leg", flag="kv-role", choices=KV_ROLES)
+    engine_id: str | None = _opt(None, "this engine's id in KV transfer parameters (default: random)",
+                                 flag="kv-engine-id")
+    transfer_address: str = _opt("127.0.0.1:0", "host:port where a producer serves KV pulls (port 0: pick one)",
+                                 flag="kv-transfer-address")
+    lease_seconds: float = _opt(30.0, "how long a producer keeps a prefill's blocks for the decode leg",
+                                flag="kv-lease-seconds")
+    transport: str = _opt("tcp", "how a producer's blocks are pulled: tcp (any host, CPU or GPU), cuda_ipc "
+                          "(two processes on one host's GPUs) or nixl (NIXL/UCX READs, needs nixl-cu13 on both "
+                          "engines); the pull address carries the handshake", flag="kv-transport",
+                          choices=KV_TRANSPORTS)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("consumer", "both")
+
+    @property
+    def enabled(self) -> bool:
+        return self.role != "none"
+
+    def host_port(self) -> tuple[str, int]:
+        host, sep, port = self.transfer_address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"kv transfer address must be host:port, got {self.transfer_address!r}")
+        return host, int(port)
+
+    def validate(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"kv role must be one of {', '.join(KV_ROLES)}, got {self.role!r}")
+        if self.transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.transport!r}")
+        if not self.lease_seconds > 0:
+            raise ValueError("kv lease seconds must be > 0")
+        self.host_port()
+
+
 @dataclass
 class EngineConfig:
-    """The engine's whole configuration: model, KV cache, scheduler (each validated once)."""
+    """The engine's whole configuration: model, KV cache, scheduler, KV transfer (each validated once)."""
 
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     @classmethod
     def default(cls, **model_kwargs) -> "EngineConfig":
@@ -147,3 +203,4 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.kv_transfer.validate()

@@ -51,6 +51,7 @@ def core_info(engine: LLMEngine) -> CoreInfo:
         block_size=bm.block_size,
         kv_capacity_tokens=engine.kv_capacity_tokens,
         enable_prefix_caching=bm.enable_prefix_caching,
+        kv_transfer=engine.kv.info() if engine.kv is not None else None,
     )
 
 
@@ -72,6 +73,19 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.engine.has_work()
+
+    # How often an idle core with live leases looks at them (a released lease's blocks return
+    # within this; an idle core without leases sleeps until a message comes).
+    LEASE_POLL_S = 0.05
+
+    def idle_timeout(self, default: float) -> float:
+        """How long an idle loop may block waiting for input before calling `tick`."""
+        kv = self.engine.kv
+        return min(default, self.LEASE_POLL_S) if kv is not None and len(kv.scheduler.leases) else default
+
+    def tick(self) -> None:
+        """Idle housekeeping: free released or expired leases."""
+        self.engine.kv_housekeeping()
 
     def apply(self, msg: CoreInput) -> UtilityResult | None:
         """Applies one message; a UtilityCall's result is returned, other outputs are kept for
@@ -145,6 +159,7 @@ class EngineCore:
     def _utility(self, call: UtilityCall) -> UtilityResult:
         try:
             if call.command == UtilityCommand.STATS:
+                self.engine.kv_housekeeping()  # released leases count as free in the answer
                 return UtilityResult(call.call_id, self.engine.stats())
             if call.command == UtilityCommand.FLUSH_PREFIX_CACHE:
                 return UtilityResult(call.call_id, FlushResult(bool(self.engine.block_manager.reset_prefix_cache())))

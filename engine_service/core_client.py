@@ -178,6 +178,11 @@ class CoreClient:
         self._send(CoreAbort([request_id]))
         return True
 
+    def release_lease(self, request_id: str) -> None:
+        """Forwards an abort of a request no longer in flight here: a producer's core releases
+        the lease a finished prefill leg of that id holds (a no-op in the core otherwise)."""
+        self._send(CoreAbort([request_id]))
+
     def release(self, request_id: str) -> None:
         """Forgets a consumer that went away; aborts the request if it had not ended."""
         stream = self._streams.get(request_id)

@@ -159,10 +159,11 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket, codec: CoreCodec, parent_pid
     try:
         while True:
             if not core.has_work() and not spin_for_input(pull, idle_spin_s):
-                while not pull.poll(IDLE_POLL_MS):
+                while not pull.poll(int(core.idle_timeout(IDLE_POLL_MS / 1000) * 1000)):
                     if os.getppid() != parent_pid:
                         log.error("engine_core_parent_gone")
                         return 1
+                    core.tick()
             while pull.poll(0):
                 msg = decode(pull.recv(copy=False).buffer)
                 if isinstance(msg, CoreShutdown):

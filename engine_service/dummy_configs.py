@@ -76,7 +76,9 @@ _TINY_HYBRID: dict[str, Any] = {
     "linear_value_head_dim": 16,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
-    "max_position_embeddings": 512,
+    # 2048, not 512: `tandem.gpu_checks.model_parity` runs at max_model_len 1024 (its H200 call at
+    # 07:20 UTC failed to build any engine on 512).
+    "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-6,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "tie_word_embeddings": False,
@@ -197,6 +199,27 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "max_window_layers": 48,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    # Qwen3-30B-A3B's layer shapes, 4 layers (~5.5 GB in bf16): the GPU model-parity check of the
+    # MoE path, whose three engines must fit one GPU together.
+    "qwen3-30b-a3b-l4": {
+        **_QWEN3_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "max_window_layers": 4,
         "sliding_window": None,
         "tie_word_embeddings": False,
     },

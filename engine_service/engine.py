@@ -27,6 +27,7 @@ import structlog
 from tandem.core_protocol import EngineStats, KVTransferParams, RequestOutput, SchedulerStop
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.kv_cache import BlockManager
+from tandem.engine_service.kv_connector.connector import KVConnector, build_kv_connector
 from tandem.engine_service.model_runner import ModelRunner
 from tandem.engine_service.plan_builder import StepPlanBuilder
 from tandem.engine_service.sampler import Sampler
@@ -68,7 +69,7 @@ class LaunchedStep:
 class LLMEngine:
     """Continuous batching over one model replica: admission, stepping, stopping, aborts."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, kv_ipc=None) -> None:
         config.validate()
         self.config = config
         self.runner = runner or ModelRunner(config)
@@ -86,13 +87,18 @@ class LLMEngine:
             if plan is not None
             else BlockManager(self.runner.num_blocks, self.runner.block_size, prefix_caching)
         )
+        # Disaggregated prefill/decode (None unless --kv-role): leases, loads, the pull server.
+        self.kv: KVConnector | None = build_kv_connector(config.kv_transfer, self.block_manager, self.runner,
+                                                         ipc=kv_ipc)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
-                                   device_type=self.runner.device.type)
+                                   device_type=self.runner.device.type,
+                                   kv_connector=self.kv.scheduler if self.kv is not None else None)
         self.sampler = Sampler(vocab_size=self.runner.vocab_size)
         # One block table per paged cache group travels in every plan and lives in every row.
         num_cache_groups = len(self.block_manager.pools)
         self.plan_builder = StepPlanBuilder(num_cache_groups)
-        self.worker = StepWorker(self.runner, self.sampler, num_cache_groups)
+        self.worker = StepWorker(self.runner, self.sampler, num_cache_groups,
+                                 kv_worker=self.kv.worker if self.kv is not None else None)
         self.eos_token_ids = tuple(self.runner.eos_token_ids)
         self.counters = EngineCounters()
         self._first_scheduled: dict[str, float] = {}
@@ -126,6 +132,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> Sequence | None:
         seq = self.scheduler.abort(request_id)
+        if self.kv is not None:
+            # A prefill leg aborted after it finished (the client left before the decode leg).
+            self.kv.scheduler.release_request(request_id)
         if seq is not None:
             self.plan_builder.drop(request_id)
             self.counters.aborted_requests += 1
@@ -135,13 +144,27 @@ class LLMEngine:
     def has_work(self) -> bool:
         """Whether `step()` has something to do: requests, a step in flight, or endings the
         worker has not been told of yet (they ride on the next plan)."""
-        return self._in_flight is not None or self.scheduler.has_work() or self.plan_builder.has_pending_drops
+        return (self._in_flight is not None or self.scheduler.has_work() or self.plan_builder.has_pending_drops
+                or (self.kv is not None and self.kv.scheduler.has_pending_metadata()))
 
+    def kv_housekeeping(self) -> None:
+        """Apply finished/failed KV loads and free released or expired leases (also called by an
+        idle engine core, so a lease's blocks return without new requests)."""
+        if self.kv is None:
+            return
+        self.scheduler.loads_done(self.worker.take_kv_report())
+        self.kv.scheduler.sweep()
+
+    def close(self) -> None:
+        """Stop the KV pull server and cancel KV loads (the model itself needs no closing)."""
+        if self.kv is not None:
+            self.kv.close()
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Schedule and launch one step; report the tokens of the step that completed (this one,
         or with overlap the one launched by the previous call)."""
         outputs: dict[str, StepOutput] = {}
+        self.kv_housekeeping()
         plan = self.scheduler.schedule()
         for seq in plan.finished:  # ended by the scheduler itself (cannot ever fit)
             outputs[seq.request_id] = self._output(seq)
@@ -160,9 +183,17 @@ class LLMEngine:
             self._finish(previous, outputs)
         self._forget_finished(outputs)
         if not plan.scheduled:
-            # Nothing ran: the worker still hears of preemptions and endings (a plan of drops).
-            self.worker.launch(self.plan_builder.build(plan).plan)
+            # Nothing ran: the worker still hears of preemptions, endings and KV loads.
+            self.worker.launch(self._with_kv(self.plan_builder.build(plan).plan))
+            if (self.kv is not None and self.kv.worker is not None and self.scheduler.loading
+                    and not outputs and self._in_flight is None and not self.scheduler.running):
+                self.kv.worker.wait(0.005)  # only loads to wait for: do not spin
         return list(outputs.values())
+
+    def _with_kv(self, plan):
+        if self.kv is not None:
+            plan.kv_connector_metadata = self.kv.scheduler.take_metadata()
+        return plan
 
     def _launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
         """Queue the model and the sampler for `plan` on the device; nothing waits for it."""
@@ -170,7 +201,8 @@ class LLMEngine:
         for item in plan.scheduled:
             self._first_scheduled.setdefault(item.seq.request_id, now)
         planned = self.plan_builder.build(plan)
-        worker_step = self.worker.launch(planned.plan, previous.worker_step if previous is not None else None)
+        worker_step = self.worker.launch(self._with_kv(planned.plan),
+                                         previous.worker_step if previous is not None else None)
         self.scheduler.begin_step(plan)
         sampling = planned.sampling
         for row, seq in enumerate(sampling):
@@ -208,6 +240,8 @@ class LLMEngine:
         return o
 
     def _fill_ending(self, o: StepOutput, seq: Sequence) -> None:
+        if self.kv is not None:
+            self.kv.scheduler.on_request_finished(seq)  # a prefill leg: lease, decode-leg parameters
         o.finished = True
         o.finish_reason = seq.finish_reason
         o.stop_reason = seq.stop_reason
@@ -220,7 +254,10 @@ class LLMEngine:
         o.kv_transfer_params = seq.kv_transfer_params
         if seq.finish_reason == FinishReason.ERROR:
             reason = seq.stop_reason
-            o.error = reason.reason.value if isinstance(reason, SchedulerStop) else "engine error"
+            if isinstance(reason, SchedulerStop):
+                o.error = f"{reason.reason.value}: {reason.detail}" if reason.detail else reason.reason.value
+            else:
+                o.error = "engine error"
 
     def _forget_finished(self, outputs: dict[str, StepOutput]) -> None:
         for o in outputs.values():
@@ -257,4 +294,18 @@ class LLMEngine:
             state_checkpoints_used=groups.get("state_checkpoints", {}).get("used", 0),
             state_checkpoints_pending=groups.get("state_checkpoints", {}).get("pending", 0),
             state_checkpoint_saves=bm.checkpoints.num_saved if bm.checkpoints is not None else 0,
+            **self._kv_stats(),
+        )
+
+    def _kv_stats(self) -> dict:
+        if self.kv is None:
+            return {}
+        c = self.kv.scheduler.counters
+        leases = self.kv.scheduler.leases
+        return dict(
+            kv_remote_tokens_loaded=c.remote_tokens_loaded, kv_remote_blocks_pulled=c.remote_blocks_pulled,
+            kv_remote_bytes_pulled=c.remote_bytes_pulled, kv_remote_load_seconds=c.remote_load_seconds,
+            kv_remote_loads=c.remote_loads,
+            kv_remote_load_failures=c.remote_load_failures, kv_loading_requests=len(self.scheduler.loading),
+            kv_leases_active=len(leases), kv_leases_granted=c.leases_granted, kv_leases_expired=leases.expired_total,
         )

@@ -45,6 +45,7 @@ class InProcessCoreClient(CoreClient):
         self._send(CoreShutdown())
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.close()
 
     @property
     def alive(self) -> bool:
@@ -62,7 +63,8 @@ class InProcessCoreClient(CoreClient):
             while True:
                 with self._wake:
                     while not self._inbox and not core.has_work():
-                        self._wake.wait()
+                        if not self._wake.wait(core.idle_timeout(3600.0)):
+                            core.tick()
                     messages = list(self._inbox)
                     self._inbox.clear()
                 for msg in messages:

@@ -414,6 +414,15 @@ class BlockManager:
         self._copies_before = []
         self._copies_after = []
         return before, after
+    def give_back_before(self, seq, group: int, first_kept: int) -> None:
+        """Release the blocks of table entries before `first_kept` in paged group `group` (a
+        sliding window's blocks no query will read: a KV load skips them); they become `NULL_BLOCK`."""
+        table = seq.block_tables[group]
+        pool = self.pools[group]
+        for i in range(min(first_kept, len(table))):
+            if table[i] != NULL_BLOCK:
+                pool.release(table[i])
+                table[i] = NULL_BLOCK
 
     def _trim(self, seq: Sequence) -> None:
         for g in self._windowed:

@@ -45,6 +45,10 @@ _GAUGES = (
      "Fraction of KV-cache blocks held by requests, 0..1 (blocks kept only for prefix reuse are free)."),
     ("state_checkpoints_used", "state_checkpoints_used",
      "State checkpoint slots holding a checkpoint or a save in flight (models with recurrent state)."),
+    ("kv_transfer_leases_active", "kv_leases_active",
+     "Producer: finished prefills whose blocks wait under a lease for the decode leg's pull."),
+    ("kv_transfer_loading_requests", "kv_loading_requests",
+     "Consumer: requests holding blocks while their KV is pulled from a producer."),
 )
 _COUNTERS = (
     ("prompt_tokens", "prompt_tokens_total", "Prompt tokens of requests admitted to the engine."),
@@ -57,6 +61,13 @@ _COUNTERS = (
     ("state_checkpoint_saves", "state_checkpoint_saves", "State checkpoints saved for prefix caching."),
     ("num_preemptions", "num_preemptions", "Requests preempted (recompute) because KV blocks ran out."),
     ("engine_steps", "steps_total", "Engine steps that ran the model."),
+    # Disaggregated prefill/decode (zero on an engine without a --kv-role).
+    ("kv_transfer_tokens_loaded", "kv_remote_tokens_loaded",
+     "Prompt tokens whose KV this engine pulled from a producer engine instead of computing."),
+    ("kv_transfer_blocks_pulled", "kv_remote_blocks_pulled", "KV blocks pulled from producer engines."),
+    ("kv_transfer_bytes_pulled", "kv_remote_bytes_pulled", "KV bytes pulled from producer engines."),
+    ("kv_transfer_load_failures", "kv_remote_load_failures", "KV pulls that failed (the request ended with an error)."),
+    ("kv_transfer_leases_expired", "kv_leases_expired", "Producer leases that expired without a pull."),
 )
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -45,6 +46,10 @@ from tandem.core_protocol import SchedulerReason, SchedulerStop
 from tandem.engine_service.config import SchedulerConfig
 from tandem.engine_service.kv_cache import BlockManager
 from tandem.engine_service.sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from tandem.engine_service.kv_connector.metadata import KVLoadReport
+    from tandem.engine_service.kv_connector.scheduler_side import KVConnectorScheduler
 
 log = structlog.get_logger(__name__)
 
@@ -91,12 +96,18 @@ class Scheduler:
     the chunk size is computed from what remains, and `BlockManager.allocate` then takes the
     same hits and blocks for exactly that chunk.
 
+    Remote KV (a `kv_connector` on a consumer engine): a waiting request whose KV comes from a
+    producer is admitted by the connector instead (its blocks allocated, its load queued) and
+    moves to `loading` (status LOADING_KV): it holds its blocks and a sequence slot but is never
+    scheduled until `loads_done` reports its load — then its computed count jumps by the loaded
+    tokens and it runs like any request; a failed load ends it with ERROR (kv_transfer_failed).
+
     `running` and `waiting` are exposed for inspection; callers must not mutate them.
     """
 
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-        device_type: str = "cuda",
+        device_type: str = "cuda", kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         config.validate()
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
@@ -118,6 +129,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.kv_connector = kv_connector
+        # Requests holding blocks while their KV is loaded from a producer (admission order).
+        self.loading: dict[str, Sequence] = {}
+        self._failed_loads: list[tuple[Sequence, str]] = []
 
     # -- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -137,6 +152,10 @@ class Scheduler:
             return None
         if seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.LOADING_KV:
+            del self.loading[request_id]
+            assert self.kv_connector is not None
+            self.kv_connector.cancel_load(request_id)  # before the blocks may go to anyone else
         else:  # running, or finished by the engine in a step not yet passed to update()
             self.running.remove(seq)
         self.block_manager.free(seq)
@@ -158,11 +177,28 @@ class Scheduler:
         return sum(seq.num_uncomputed_tokens for seq in self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self._failed_loads)
+
+    def loads_done(self, report: KVLoadReport) -> None:
+        """The worker's KV load report: loaded requests join `running` with their computed count
+        advanced; failed ones end with ERROR in the next `schedule`."""
+        if self.kv_connector is None or not report:
+            return
+        finished, failed = self.kv_connector.loads_done(report)
+        for spec in finished:
+            seq = self.loading.pop(spec.request_id)
+            self.kv_connector.load_finished(seq, spec.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        for rid, why in failed.items():
+            self._failed_loads.append((self.loading.pop(rid), why))
 
     # -- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        for seq, why in self._failed_loads:
+            self._finish_error(out, seq, SchedulerStop(SchedulerReason.KV_TRANSFER_FAILED, why))
+        self._failed_loads.clear()
         budget = self.config.max_num_batched_tokens
         budget, num_ending = self._schedule_running(out, budget)
         if not out.preempted:
@@ -233,12 +269,17 @@ class Scheduler:
         bm = self.block_manager
         # Sequences about to end by length give up their slot now, as they would have without
         # overlap (`running` may exceed max_num_seqs until their tokens are confirmed).
-        free_slots = self.config.max_num_seqs - len(self.running) + num_ending
+        free_slots = self.config.max_num_seqs - len(self.running) - len(self.loading) + num_ending
         while self.waiting and budget > 0 and free_slots > 0:
             seq = self.waiting[0]
             if seq.num_tokens > self.max_model_len:
                 self.waiting.popleft()
                 self._finish_error(out, seq, EXCEEDS_MAX_MODEL_LEN)
+                continue
+            if self.kv_connector is not None and self.kv_connector.needs_load(seq):
+                if not self._admit_load(out, seq):
+                    break  # FIFO: nobody overtakes the head of the queue
+                free_slots -= 1
                 continue
             # match_prefix and allocate agree: nothing touches the cache in between.
             num_hit = bm.match_prefix(seq)
@@ -261,6 +302,28 @@ class Scheduler:
             self._add_scheduled(out, seq, num_new)
             budget -= num_new
             free_slots -= 1
+
+    def _admit_load(self, out: SchedulerOutput, seq: Sequence) -> bool:
+        """Admit the head of `waiting` for a remote KV load; False when it must wait for blocks."""
+        from tandem.engine_service.kv_connector.scheduler_side import LoadRefused
+
+        assert self.kv_connector is not None
+        try:
+            admitted = self.kv_connector.admit_load(seq)
+        except LoadRefused as exc:
+            self.waiting.popleft()
+            self._finish_error(out, seq, SchedulerStop(SchedulerReason.KV_TRANSFER_FAILED, str(exc)))
+            return True
+        if not admitted:
+            if not self.running and not self.loading:
+                self.waiting.popleft()
+                self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
+                return True
+            return False
+        self.waiting.popleft()
+        seq.status = SequenceStatus.LOADING_KV
+        self.loading[seq.request_id] = seq
+        return True
 
     @staticmethod
     def _add_scheduled(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:

@@ -18,6 +18,7 @@ __all__ = ["FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    LOADING_KV = "loading_kv"  # holds its blocks, waits for a remote KV load (never scheduled meanwhile)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -66,8 +67,13 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         # What ended it: a stop token, a stop token sequence, or the scheduler (typed).
         self.stop_reason: StopReason | None = None
-        # Carried from the request to its final output (disaggregation; unused by the engine yet).
+        # Disaggregated prefill/decode (kv_connector): the request's transfer parameters (a
+        # producer replaces them with the decode leg's at finish), whether its remote KV load is
+        # done (a consumer then treats it like any request: a preemption recomputes locally), and
+        # the lease a producer keeps its blocks under.
         self.kv_transfer_params = kv_transfer_params
+        self.remote_kv_done = False
+        self.kv_lease_id: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None

@@ -36,7 +36,7 @@ from tandem.protocol import (
     InvalidRequest,
     Limits,
     check_prompt_token_ids,
-    kv_transfer_from_proto,
+    kv_transfer_params_of,
     kv_transfer_to_proto,
     sampling_from_proto,
     to_struct,
@@ -72,7 +72,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return self.engine
 
     # -- request admission -------------------------------------------------------------------------
-    def _admit(self, request: engine_pb2.EngineRequest, channel: str | None = None):
+    def _admit(self, request: engine_pb2.EngineRequest, channel: str | None = None, metadata=()):
         if not request.request_id:
             raise InvalidRequest("request_id", "must not be empty")
         if len(request.request_id) > 512:
@@ -84,14 +84,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             len(prompt),
             [list(s.token_ids) for s in request.stop_token_sequences],
         )
-        kv_params = kv_transfer_from_proto(request.kv_transfer_params) if request.HasField("kv_transfer_params") else None
+        kv_params = kv_transfer_params_of(request, metadata)
         return self.engine.submit(request.request_id, prompt, params, channel=channel, kv_transfer_params=kv_params)
 
     async def _start(self, request, context, channel: str | None = None):
         await reject_malformed(request, context)
         await self._require_engine(context)
         try:
-            return self._admit(request, channel)
+            return self._admit(request, channel, context.invocation_metadata())
         except UnknownChannelError:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"channel_id {channel!r} is not subscribed")
         except InvalidRequest as exc:
@@ -223,9 +223,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         elif cmd == C.UTILITY_COMMAND_ABORT:
             if not request.request_id:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required for ABORT")
-            if not self.engine.abort(request.request_id):
+            if self.engine.abort(request.request_id):
+                result = {"aborted": request.request_id}
+            elif (self.model_info.get("kv_transfer") or {}).get("role") in ("producer", "both"):
+                # A finished prefill leg may still hold its blocks under a lease: the abort
+                # releases it (the frontend's way to free a lease no decode leg will take).
+                self.engine.release_lease(request.request_id)
+                result = {"aborted": request.request_id, "lease_release_requested": True}
+            else:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight")
-            result = {"aborted": request.request_id}
         elif cmd == C.UTILITY_COMMAND_STATS:
             stats: EngineStats = await self._core_utility(UtilityCommand.STATS, context)
             result = stats.to_dict()

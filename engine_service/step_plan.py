@@ -40,11 +40,10 @@ every kernel path skipping positions before the window.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from tandem.core_protocol import SamplingParams
+from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata
 
 
 class NewRequest(msgspec.Struct, kw_only=True):
@@ -108,12 +107,6 @@ class CachedRequests(msgspec.Struct, kw_only=True, array_like=True, gc=False):
         self.resumed.append(resumed)
         self.state_slots.append(state_slot)
         self.num_null_blocks.append(num_null_blocks)
-
-
-class KVConnectorMetadata(msgspec.Struct, kw_only=True):
-    """Placeholder for what a KV connector's worker side will need per step (not used yet)."""
-
-    payload: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class StepPlan(msgspec.Struct, kw_only=True):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine_service.kv_connector.metadata import KVLoadReport
+from tandem.engine_service.kv_connector.worker_side import KVConnectorWorker
 from tandem.engine_service.model_runner import ModelRunner
 from tandem.engine_service.sampler import PendingSample, Sampler, SamplerOutput
 from tandem.engine_service.step_plan import StepPlan
@@ -42,10 +44,20 @@ class StepWorker:
     collect is no longer among the rows, so that step's token reaches no live row.
     """
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, num_cache_groups: int = 1) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, num_cache_groups: int = 1,
+                 kv_worker: KVConnectorWorker | None = None) -> None:
         self.runner = runner
         self.sampler = sampler
         self.rows = WorkerRows(num_cache_groups)
+        # The KV connector's worker side (consumer engines): starts/cancels the plan's loads and
+        # writes completed ones; what completed waits in `_kv_report` for the scheduler side.
+        self.kv_worker = kv_worker
+        self._kv_report = KVLoadReport()
+
+    def take_kv_report(self) -> KVLoadReport:
+        """Loads written (or failed) since the last call: what the scheduler side learns next."""
+        report, self._kv_report = self._kv_report, KVLoadReport()
+        return report
 
     def execute(self, batch: StepBatch, previous: WorkerStep | None = None) -> torch.Tensor:
         """Forward `batch` (from `rows.apply`); float32 logits of its sampling entries. The rows
@@ -57,6 +69,14 @@ class StepWorker:
         """Apply `plan` and queue its step on the device (nothing waits); None when the plan
         schedules nothing (it only dropped rows). `previous` is the step still in flight, whose
         sampled tokens this step's pending inputs read on the device."""
+        if self.kv_worker is not None:
+            # Cancellations, then new loads, then completed loads written into the cache: all
+            # before this step's forward, so a cancelled load never writes and a written one is
+            # in stream order with the steps.
+            self.kv_worker.apply(plan.kv_connector_metadata)
+            self._kv_report.merge(self.kv_worker.poll())
+        elif plan.kv_connector_metadata:
+            raise ValueError("the plan carries KV loads but this worker has no KV connector")
         batch = self.rows.apply(plan)
         if not batch:
             return None

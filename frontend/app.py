@@ -11,6 +11,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
+from tandem.frontend.disaggregation import DisaggregatedPools
 from tandem.frontend.engine_pool import EnginePool
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.request_builder import RequestBuilder
@@ -51,12 +52,31 @@ class FrontendOptions:
     reflection: bool = False  # serve grpc.reflection
     engine_transport: str = "stream"  # "stream" (a call per choice) or "mux" (one stream per engine)
     listen_when_ready: bool = False  # extra workers on a shared port listen only once ready
+    # Disaggregated prefill/decode: both set (they replace `engines`), every request runs a
+    # prefill leg on one of `prefill_engines` and a decode leg on one of `decode_engines`.
+    prefill_engines: list[str] = field(default_factory=list)
+    decode_engines: list[str] = field(default_factory=list)
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_engines and self.decode_engines)
 
 
-async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> RequestBuilder:
-    """Waits for the engines, then loads the tokenizer and the model's limits."""
-    await pool.wait_ready(timeout=options.engine_wait_timeout)
-    info = pool.limits_info()
+def _engine_pool(options: FrontendOptions, addresses: list[str]) -> EnginePool:
+    engine_security = options.engine_security
+    return EnginePool(addresses, channel_options=engine_security.channel_options(),
+                      credentials=engine_security.channel_credentials(),
+                      interceptors=engine_security.aio_client_interceptors(),
+                      transport=options.engine_transport)
+
+
+async def build_request_builder(options: FrontendOptions, pool: EnginePool,
+                                disaggregated: DisaggregatedPools | None = None) -> RequestBuilder:
+    """Waits for the engines (both pools when disaggregated), then loads the tokenizer and the
+    model's limits (the stricter of the two pools')."""
+    pools = disaggregated if disaggregated is not None else pool
+    await pools.wait_ready(timeout=options.engine_wait_timeout)
+    info = pools.limits_info()
     ready = next(r for r in pool.replicas if r.model_info)
     path = options.tokenizer_path or ready.model_info.get("model_path")
     if not path:
@@ -76,7 +96,7 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool) -> R
 
 async def attach_builder(servicer: FrontendServicer, options: FrontendOptions, pool: EnginePool) -> None:
     """Loads what the request path needs (off the event loop) and starts serving requests."""
-    builder = await build_request_builder(options, pool)
+    builder = await build_request_builder(options, pool, servicer.disaggregated)
     loop = asyncio.get_running_loop()
     tokenize_pool = await loop.run_in_executor(None, TokenizePool, builder.tokenizer, options.tokenizer_workers,
                                                options.max_pending_tokenize)
@@ -98,13 +118,17 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     )
     health = await add_health(server, SERVICE_NAME)
     engine_security = options.engine_security
-    pool = EnginePool(options.engines, channel_options=engine_security.channel_options(),
-                      credentials=engine_security.channel_credentials(),
-                      interceptors=engine_security.aio_client_interceptors(),
-                      transport=options.engine_transport)
+    disaggregated = None
+    if options.disaggregated:
+        disaggregated = DisaggregatedPools(_engine_pool(options, options.prefill_engines),
+                                           _engine_pool(options, options.decode_engines))
+        pool = disaggregated.prefill
+    else:
+        pool = _engine_pool(options, options.engines)
+    engine_addresses = options.prefill_engines + options.decode_engines if disaggregated else options.engines
     registry = new_registry()
-    servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(pool, registry),
-                                access=options.security.access_policy())
+    servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(disaggregated or pool, registry),
+                                access=options.security.access_policy(), disaggregated=disaggregated)
     metrics_host = options.metrics_host if options.metrics_host is not None else options.host
     metrics_endpoint = (
         start_metrics_endpoint(registry, metrics_host, options.metrics_port)
@@ -121,13 +145,14 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     if bound == 0:
         raise RuntimeError(f"cannot bind {options.host}:{options.port}")
     await server.start()
-    log.info("frontend_listening", address=f"{options.host}:{bound}", engines=options.engines,
+    log.info("frontend_listening", address=f"{options.host}:{bound}", engines=engine_addresses,
+             disaggregated=disaggregated is not None,
              **options.security.summary("server"), engine_link=engine_security.summary("client"))
     options.security.warn_if_weak("server", options.host)
-    engine_security.warn_if_weak("client", options.engines[0].rsplit(":", 1)[0])
+    engine_security.warn_if_weak("client", engine_addresses[0].rsplit(":", 1)[0])
     if servicer.builder is None:
         await attach_builder(servicer, options, pool)
-    pool.start_monitor()
+    (disaggregated or pool).start_monitor()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("frontend_ready")
     if ready is not None:
@@ -150,7 +175,7 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
         await asyncio.sleep(0.05)
     await health.enter_graceful_shutdown()
     await server.stop(grace=2.0)
-    await pool.close()
+    await (disaggregated or pool).close()
     servicer.close()
     if metrics_endpoint is not None:
         metrics_endpoint.close()

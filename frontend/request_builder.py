@@ -14,18 +14,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from google.protobuf import struct_pb2
-
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.protocol import (
     MAX_CHOICES,
+    MAX_KV_TRANSFER_PARAMS_BYTES,  # noqa: F401 - re-exported (the bound's documented home was here)
     MAX_STOP_SEQUENCE_LEN,
     InvalidRequest,
     Limits,
     check_prompt_token_ids,
+    kv_transfer_from_proto,
     sampling_from_proto,
 )
+from tandem.v1 import common_pb2
 from tandem.v1 import engine_pb2, frontend_pb2
 
 MAX_N = MAX_CHOICES
@@ -34,9 +35,6 @@ MAX_STOP_LEN = 256
 MAX_MESSAGES = 1024
 # Absolute ceiling on a prompt's (or all messages' contents') UTF-8 size, whatever the context.
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
-# kv_transfer_params are echoed in the final reply; bounding them keeps every reply far below the
-# 16 MiB message limit (a reply's other parts are bounded by the context length).
-MAX_KV_TRANSFER_PARAMS_BYTES = 64 * 1024
 # How much of an unknown `model` name an error message quotes.
 MAX_ECHOED_MODEL_CHARS = 64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -55,7 +53,7 @@ class PreparedRequest:
     skip_special_tokens: bool
     want_logprobs: bool
     return_prompt_token_ids: bool
-    kv_transfer_params: struct_pb2.Struct | None = None
+    kv_transfer_params: common_pb2.KVTransferParams | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -121,10 +119,9 @@ class RequestBuilder:
             if not s or len(s) > MAX_STOP_LEN:
                 raise InvalidRequest("stop", f"each stop string needs 1..{MAX_STOP_LEN} characters")
         if request.HasField("kv_transfer_params"):
-            size = request.kv_transfer_params.ByteSize()
-            if size > MAX_KV_TRANSFER_PARAMS_BYTES:
-                raise InvalidRequest("kv_transfer_params", f"{size} bytes serialized; at most "
-                                                           f"{MAX_KV_TRANSFER_PARAMS_BYTES}")
+            # Bounded (MAX_KV_TRANSFER_PARAMS_BYTES serialized) and range-checked here; the engine
+            # is the authority on what they mean.
+            kv_transfer_from_proto(request.kv_transfer_params)
 
     def _prompt_ids(self, request: frontend_pb2.GenerateRequest, tokenizer: TextTokenizer) -> list[int]:
         if request.prompt_token_ids:

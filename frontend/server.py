@@ -23,6 +23,7 @@ import grpc
 import structlog
 
 from tandem.frontend.choice_state import ChoiceState
+from tandem.frontend.disaggregation import DisaggregatedPools, LegFailed, TwoLegCall
 from tandem.frontend.engine_pool import EnginePool, EngineReplica, NoEngineAvailable
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.observe import RequestObservation
@@ -30,7 +31,7 @@ from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.request_ids import DuplicateRequestId, RequestIdMap
 from tandem.frontend.tokenize_pool import TokenizePool, TokenizerBusy
 from tandem.grpc_service import reject_malformed
-from tandem.protocol import InvalidRequest, to_struct
+from tandem.protocol import InvalidRequest, kv_transfer_from_metadata, kv_transfer_to_proto, to_struct
 from tandem.security import AccessPolicy
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
@@ -82,11 +83,14 @@ class _Aborted(Exception):
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
-    """Implements Generate / Stream / Utility on top of an `EnginePool`."""
+    """Implements Generate / Stream / Utility on top of an `EnginePool`; with `disaggregated`
+    pools, every choice runs as a prefill leg on `pool` (the prefill pool) and a decode leg on
+    the decode pool (`frontend/disaggregation.py`)."""
 
     def __init__(self, pool: EnginePool, ids: RequestIdMap, metrics: FrontendMetrics | None = None,
-                 access: AccessPolicy | None = None) -> None:
+                 access: AccessPolicy | None = None, disaggregated: DisaggregatedPools | None = None) -> None:
         self.pool = pool
+        self.disaggregated = disaggregated
         self.metrics = metrics if metrics is not None else FrontendMetrics(pool)
         self.access = access if access is not None else AccessPolicy()
         # Set by `attach` once the engines are ready and the tokenizer is loaded; until then
@@ -139,13 +143,18 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                                 f"command: {C.UtilityCommand.Name(cmd)} changes server state and needs an admin "
                                 "token (--admin-token-file) or a server started with --allow-admin-commands")
         if cmd == C.UTILITY_COMMAND_HEALTH:
-            ready = self.builder is not None and self.accepting and self.pool.any_healthy
+            pools = self.disaggregated if self.disaggregated is not None else self.pool
+            ready = self.builder is not None and self.accepting and pools.any_healthy
             result = {"status": "SERVING" if ready else "NOT_SERVING"}
             if self.access.is_admin(context):  # internals only for an administrator
                 result.update(pid=os.getpid(), in_flight=len(self.ids),
-                              engines={r.address: r.healthy for r in self.pool.replicas})
+                              engines={r.address: r.healthy for r in self._all_replicas()})
         elif cmd == C.UTILITY_COMMAND_MODEL_INFO:
-            result = dict(self.pool.limits_info())
+            pools = self.disaggregated if self.disaggregated is not None else self.pool
+            result = dict(pools.limits_info())
+            if self.disaggregated is not None:
+                result["disaggregated"] = {"prefill": [r.address for r in self.disaggregated.prefill.replicas],
+                                           "decode": [r.address for r in self.disaggregated.decode.replicas]}
             result["tokenizer"] = self.builder.tokenizer_info()
             # What a request that sets no sampling field gets (the engine applies these).
             defaults = self.pool.replicas[0].model_info.get("sampling_defaults") if self.pool.replicas else None
@@ -160,7 +169,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id[:256]!r} is not in flight")
         elif cmd in (C.UTILITY_COMMAND_STATS, C.UTILITY_COMMAND_FLUSH_PREFIX_CACHE, C.UTILITY_COMMAND_SPEC_DECODE_STATS):
             per_engine = {}
-            for r in self.pool.replicas:
+            for r in self._all_replicas():
                 try:
                     per_engine[r.address] = await r.utility(cmd)
                 except grpc.aio.AioRpcError as exc:
@@ -174,6 +183,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"command: unknown utility command {cmd}")
         return common_pb2.UtilityResponse(command=cmd, result=to_struct(result))
+
+    def _all_replicas(self) -> list[EngineReplica]:
+        return self.disaggregated.all_replicas if self.disaggregated is not None else self.pool.replicas
 
     def _abort(self, request, context) -> dict | None:
         """Utility ABORT: ends every choice of the caller's request at whatever stage it is;
@@ -195,6 +207,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "frontend is draining")
         try:
+            header_kv = kv_transfer_from_metadata(context.invocation_metadata())
+            if header_kv is not None:  # the header wins over the body's kv_transfer_params, whole
+                request.kv_transfer_params.CopyFrom(kv_transfer_to_proto(header_kv))
             self.builder.check_request(request)
             reg = self.ids.register(request.request_id or None, self.builder.num_choices(request),
                                     owner=self.access.caller_identity(context))
@@ -214,6 +229,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 return
             try:
                 active.replica = self.pool.pick()
+                if self.disaggregated is not None and not self.disaggregated.decode.any_healthy:
+                    # Each decode leg picks its replica when it starts; none ready now: no prefill.
+                    raise NoEngineAvailable("no decode engine replica is ready")
             except NoEngineAvailable as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             obs.note(engine=active.replica.address)
@@ -287,7 +305,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             end_choices()
             calls = []
         else:
-            calls = [replica.open_call(er, deadline, metadata, self.pool.multiplexed) for er in prepared.engine_requests]
+            calls = [self._open_call(active, prepared, er, deadline, metadata) for er in prepared.engine_requests]
         replica.in_flight += 1
 
         async def pump(i: int) -> None:
@@ -376,12 +394,37 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             for p in pumps:
                 p.cancel()
 
+    def _open_call(self, active: ActiveRequest, prepared: PreparedRequest, er, deadline, metadata):
+        """One choice's engine call: a Stream / mux call on the request's replica, or (with
+        disaggregated pools) a `TwoLegCall` over its prefill and decode replicas."""
+        if self.disaggregated is None:
+            return active.replica.open_call(er, deadline, metadata, self.pool.multiplexed)
+        obs = active.observation
+        return TwoLegCall(er, self.disaggregated, active.replica, None,
+                          self._resolved_max_tokens(er, active.replica, len(prepared.prompt_token_ids)),
+                          deadline, metadata, self.pool.multiplexed,
+                          on_decode_replica=(lambda r: obs.note(decode_engine=r.address)) if obs is not None else None)
+
+    def _resolved_max_tokens(self, er, replica: EngineReplica, num_prompt_tokens: int) -> int:
+        """A choice's total max_tokens as one engine would resolve it: the client's, else the
+        engine's default (its generation config's, else --default-max-tokens) capped by the context."""
+        if er.sampling.HasField("max_tokens"):
+            return er.sampling.max_tokens
+        defaults = replica.model_info.get("sampling_defaults") or {}
+        default = int(defaults.get("max_tokens") or self.builder.limits.default_max_tokens)
+        return max(1, min(default, self.builder.limits.max_model_len - num_prompt_tokens))
+
     async def _end_with_engine_error(self, context, error: grpc.aio.AioRpcError, replica: EngineReplica) -> None:
         """Ends the client's call with the engine's error, unless the client's own ending raced it:
         a passed deadline is DEADLINE_EXCEEDED and a call the client already left is CANCELLED,
-        whatever the engine said (aborting a finished call would be metered as UNKNOWN)."""
+        whatever the engine said (aborting a finished call would be metered as UNKNOWN). A
+        disaggregated leg's error names the replica that answered (`LegFailed`)."""
         if error.code() == grpc.StatusCode.UNAVAILABLE:
-            self.pool.mark_failed(replica)
+            if isinstance(error, LegFailed):
+                if error.replica is not None:
+                    error.pool.mark_failed(error.replica)
+            else:
+                self.pool.mark_failed(replica)
         remaining = context.time_remaining()
         if (remaining is not None and remaining <= 0) or context.done():
             # The call is over for the client; `grpc_outcome` reads this as DEADLINE_EXCEEDED

@@ -49,6 +49,7 @@ from tandem.kernels._utils import (
     check_shape,
     dot,
     dot_precision,
+    num_compute_units,
     tl,
     triton_kernel,
 )
@@ -276,6 +277,17 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
     return 32 if per_expert <= 64 else 64
 
 
+def _block_n(busy_blocks: int, cols: int, device: torch.device) -> int:
+    """Column tile width: 64, narrowed (to 32, 16) while fewer than two programs per compute unit
+    would run — a small decode batch has few busy row blocks, and each program streams its
+    weight tile through a long K loop."""
+    target = 2 * num_compute_units(device)
+    for width in (64, 32):
+        if busy_blocks * cdiv(cols, width) >= target:
+            return width
+    return 16
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -305,12 +317,15 @@ def fused_moe(
     pair_out = torch.empty(p, hd, dtype=dtype, device=device)
     weights = topk_weights.reshape(-1).contiguous()
     precision = dot_precision(dtype)
-    block_n, block_k = 64, 64
+    block_k = 64
+    busy = min(e, p)  # row blocks with work, at least (one per expert that has tokens)
+    block_n = _block_n(busy, inter, device)
     _moe_gate_up_kernel.on(device)[(num_blocks, cdiv(inter, block_n))](
         hidden, w_gate_up, act, sorted_pairs, block_expert, p, hd, inter, k,
         hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4, num_stages=3,
     )
+    block_n = _block_n(busy, hd, device)
     _moe_down_kernel.on(device)[(num_blocks, cdiv(hd, block_n))](
         act, w_down, pair_out, weights, sorted_pairs, block_expert, p, hd, inter,
         act.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),

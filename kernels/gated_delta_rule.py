@@ -29,11 +29,16 @@ Implementations: ``gated_delta_rule_naive`` (the per-token loop; the ground trut
 ``chunk_gated_delta_rule_ref`` (the chunked form in PyTorch), ``fused_recurrent_..._ref``
 (vectorised one-token step), and the Triton kernels behind the public functions:
 
-* ``chunk_gated_delta_rule``: kernel 1, parallel over (chunk, value head), forms ``M`` in
-  registers, inverts it by forward substitution and writes ``W``, ``U`` and ``γ`` (float32
-  scratch); kernel 2, parallel over (request, value head, V block), walks the request's chunks
-  carrying ``S`` in registers and writes ``O`` and the final state. The chunk → request map is
-  built on the device (no host sync); the grid is sized from shapes only.
+* ``chunk_gated_delta_rule``: five launches. Parallel over (chunk, value head): ``kkt`` forms
+  ``γ``, ``A = strictlower(β k kᵀ e^{γi−γj})`` and ``K e^{γ_C−γ}``; ``solve`` inverts ``I + A``
+  in place by blocked forward substitution (the 16×16 diagonal blocks together in 15 dependent
+  steps, then one block row at a time with exact float32 products; a kernel of its own, with few
+  registers, so many programs share an SM); ``wu`` forms ``W`` and ``U``. Sequential over a request's chunks,
+  parallel over (request, value head, V block): ``state`` carries ``S`` in registers, turns
+  ``U`` into ``V'`` and saves each chunk's entry state. Parallel over (chunk, value head, V
+  block): ``output``. Scratch is float32 (the entry states in the activation dtype for 16-bit
+  models). The chunk → request map is built on the device (no host sync); grids are sized from
+  shapes only.
 * ``fused_recurrent_gated_delta_rule_update``: one launch for every request and value head; each
   program owns a ``[K, BV]`` tile of one slot's state, reads it once and writes it once (float32).
   No host sync, no value-dependent allocation: CUDA-graph capturable.
@@ -59,6 +64,7 @@ from tandem.kernels._utils import (
     next_power_of_2,
     num_compute_units,
     tl,
+    triton_helper,
     triton_kernel,
 )
 from tandem.kernels.causal_conv1d import use_triton
@@ -317,43 +323,12 @@ def _recurrent_update_kernel(
     tl.store(o_ptr + (row * HV + hv) * V + vv, cast(o, o_ptr.dtype.element_ty), mask=v_ok)
 
 
-@triton_kernel
-def _chunk_prepare_kernel(
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    cu_ptr,
-    chunk_offsets_ptr,
-    w_ptr,
-    u_ptr,
-    gamma_ptr,
-    num_seqs,
-    stride_k_row,
-    stride_k_head,
-    stride_v_row,
-    stride_v_head,
-    stride_g_row,
-    stride_b_row,
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BK: tl.constexpr,
-    BVF: tl.constexpr,
-    C: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
-    L2NORM: tl.constexpr,
-    EPS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """One (chunk, value head): W = M⁻¹(beta·e^γ·K), U = M⁻¹(beta·V) and γ, into float32 scratch."""
-    chunk = tl.program_id(0)
-    hv = tl.program_id(1)
-    if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
-        return
-    # The chunk's request: the last i with chunk_offsets[i] <= chunk (requests without chunks
-    # share their offset with the next one, which wins).
+@triton_helper()
+def _chunk_rows(cu_ptr, chunk_offsets_ptr, num_seqs, chunk, C: tl.constexpr,
+                SEARCH_STEPS: tl.constexpr):
+    """Rows ``[start, end)`` of global chunk ``chunk``: its request is the last ``i`` with
+    ``chunk_offsets[i] <= chunk`` (requests without chunks share their offset with the next one,
+    which wins)."""
     lo = 0
     hi = num_seqs - 1
     for _ in range(SEARCH_STEPS):
@@ -363,58 +338,134 @@ def _chunk_prepare_kernel(
         hi = tl.where(ok, hi, mid - 1)
     start = tl.load(cu_ptr + lo) + (chunk - tl.load(chunk_offsets_ptr + lo)) * C
     end = tl.minimum(start + C, tl.load(cu_ptr + lo + 1))
-    rows = start + tl.arange(0, C)
+    return start, end
+
+
+@triton_kernel
+def _chunk_kkt_kernel(
+    k_ptr,
+    g_ptr,
+    beta_ptr,
+    cu_ptr,
+    chunk_offsets_ptr,
+    a_ptr,
+    kd_ptr,
+    gamma_ptr,
+    num_seqs,
+    stride_k_row,
+    stride_k_head,
+    stride_g_row,
+    stride_b_row,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    C: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    L2NORM: tl.constexpr,
+    EPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (chunk, value head): γ (cumulative log-decay), A = strictlower(β k kᵀ e^{γi−γj}) into
+    a [C, C] scratch tile, and K e^{γ_C−γ} (the keys decayed to the chunk's end)."""
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    start, end = _chunk_rows(cu_ptr, chunk_offsets_ptr, num_seqs, chunk, C, SEARCH_STEPS)
+    ci = tl.arange(0, C)
+    rows = start + ci
     r_ok = rows < end
     rows64 = rows.to(tl.int64)
     kk = tl.arange(0, BK)
-    vv = tl.arange(0, BVF)
-    h = hv // GROUP
-    k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
-                mask=r_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+    k_mask = r_ok[:, None] & (kk < K)[None, :]
+    k = tl.load(k_ptr + rows64[:, None] * stride_k_row + (hv // GROUP) * stride_k_head + kk[None, :],
+                mask=k_mask, other=0.0).to(tl.float32)
     if L2NORM:
         k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
     beta = tl.load(beta_ptr + rows64 * stride_b_row + hv, mask=r_ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rows64 * stride_g_row + hv, mask=r_ok, other=0.0).to(tl.float32)
     gamma = tl.cumsum(g, 0)
-    ci = tl.arange(0, C)
-    strict = ci[:, None] > ci[None, :]
-    decay = tl.exp(tl.where(strict, gamma[:, None] - gamma[None, :], 0.0))
-    kb = k * beta[:, None]
-    a = tl.where(strict, dot(kb, tl.trans(k), PRECISION) * decay, 0.0)
-    # T = (I + A)⁻¹ by forward substitution: T[i] = e_i − Σ_{j<i} A[i, j] T[j].
-    t = tl.where(ci[:, None] == ci[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        a_i = tl.sum(tl.where(ci[:, None] == i, a, 0.0), 0)  # row i of A, indexed by column
-        row_i = tl.where(ci == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, 0)
-        t = tl.where(ci[:, None] == i, row_i[None, :], t)
-    w = dot(t, kb * tl.exp(gamma)[:, None], PRECISION)
-    v = tl.load(v_ptr + rows64[:, None] * stride_v_row + hv * stride_v_head + vv[None, :],
-                mask=r_ok[:, None] & (vv < V)[None, :], other=0.0).to(tl.float32)
-    u = dot(t, v * beta[:, None], PRECISION)
-    out_rows = rows64[:, None] * HV + hv
-    tl.store(w_ptr + out_rows * K + kk[None, :], w, mask=r_ok[:, None] & (kk < K)[None, :])
-    tl.store(u_ptr + out_rows * V + vv[None, :], u, mask=r_ok[:, None] & (vv < V)[None, :])
     tl.store(gamma_ptr + rows64 * HV + hv, gamma, mask=r_ok)
+    # Rows past the chunk's end are masked too: their γ (0) minus a valid γ would overflow exp.
+    strict = (ci[:, None] > ci[None, :]) & r_ok[:, None]
+    decay = tl.exp(tl.where(strict, gamma[:, None] - gamma[None, :], 0.0))
+    a = tl.where(strict, dot(k * beta[:, None], tl.trans(k), PRECISION) * decay, 0.0)
+    tl.store(a_ptr + (chunk.to(tl.int64) * HV + hv) * (C * C) + ci[:, None] * C + ci[None, :], a)
+    gamma_last = tl.sum(tl.where(rows == end - 1, gamma, 0.0), 0)
+    tl.store(kd_ptr + (rows64[:, None] * HV + hv) * K + kk[None, :],
+             k * tl.exp(gamma_last - gamma)[:, None], mask=k_mask)
 
 
 @triton_kernel
-def _chunk_scan_kernel(
-    q_ptr,
+def _chunk_solve_kernel(
+    a_ptr,
+    chunk_offsets_ptr,
+    num_seqs,
+    HV: tl.constexpr,
+    C: tl.constexpr,
+    BS: tl.constexpr,
+):
+    """One (chunk, value head): T = (I + A)⁻¹ over A's [C, C] scratch tile, written in place.
+
+    Blocked forward substitution with BS-row blocks: first the inverses of all C/BS diagonal
+    blocks at once (BS − 1 dependent steps on a [C/BS, BS, BS] tile), then block row r of T is
+    ``Dr⁻¹ (E_r − A[r, :r] T[:r])`` — two exact float32 products per block row. The dependent
+    chain is BS − 1 + C/BS steps instead of C − 1.
+    """
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    NB: tl.constexpr = C // BS
+    base = a_ptr + (chunk.to(tl.int64) * HV + hv) * (C * C)
+    nb = tl.arange(0, NB)
+    ri = tl.arange(0, BS)
+    # Stage 1: D_b⁻¹ for every diagonal block b; row s = e_s − Σ_{j<s} D_b[s, j] D_b⁻¹[j].
+    diag = (nb[:, None, None] * BS + ri[None, :, None]) * C + nb[:, None, None] * BS + ri[None, None, :]
+    dinv = tl.where(ri[None, :, None] == ri[None, None, :], 1.0, 0.0) + tl.zeros([NB, BS, BS], tl.float32)
+    for s in range(1, BS):
+        d_s = tl.load(base + (nb[:, None] * BS + s) * C + nb[:, None] * BS + ri[None, :])  # [NB, BS]
+        row = tl.where(ri[None, :] == s, 1.0, 0.0) - tl.sum(d_s[:, :, None] * dinv, 1)
+        dinv = tl.where(ri[None, :, None] == s, row[:, None, :], dinv)
+    tl.debug_barrier()  # every thread has read the diagonal blocks of A
+    tl.store(base + diag, dinv)  # D_b⁻¹ replaces D_b (A's diagonal blocks are no longer needed)
+    tl.debug_barrier()
+    # Stage 2: block rows in order; rows of T replace rows of A as they are done.
+    cols = tl.arange(0, C)
+    for r in tl.static_range(NB):
+        rows = r * BS + ri
+        rhs = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)  # E_r
+        if r > 0:
+            a_r = tl.load(base + rows[:, None] * C + cols[None, :],
+                          mask=(cols < r * BS)[None, :], other=0.0)
+            t_done = tl.load(base + cols[:, None] * C + cols[None, :],
+                             mask=(cols < r * BS)[:, None], other=0.0)
+            rhs = rhs - dot(a_r, t_done, "ieee")
+        d_inv = tl.load(base + rows[:, None] * C + r * BS + ri[None, :])
+        t_r = dot(d_inv, rhs, "ieee")
+        tl.debug_barrier()  # the block row's A (and D_r⁻¹) are read before T overwrites them
+        tl.store(base + rows[:, None] * C + cols[None, :], t_r)
+        tl.debug_barrier()  # the next block row reads these rows of T
+
+
+@triton_kernel
+def _chunk_wu_kernel(
     k_ptr,
+    v_ptr,
+    beta_ptr,
+    gamma_ptr,
+    t_ptr,
+    cu_ptr,
+    chunk_offsets_ptr,
     w_ptr,
     u_ptr,
-    gamma_ptr,
-    state_ptr,
-    idx_ptr,
-    cu_ptr,
-    init_ptr,
-    o_ptr,
-    scale,
-    stride_q_row,
-    stride_q_head,
+    num_seqs,
     stride_k_row,
     stride_k_head,
-    stride_s_slot,
+    stride_v_row,
+    stride_v_head,
+    stride_b_row,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
     K: tl.constexpr,
@@ -422,57 +473,169 @@ def _chunk_scan_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     C: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
     L2NORM: tl.constexpr,
     EPS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One (request, value head, V block): walks the request's chunks carrying S [K, BV] in
-    registers; writes the outputs and the final state."""
+    """One (chunk, value head): W = T (β e^γ K) and U = T (β V), float32 scratch."""
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    start, end = _chunk_rows(cu_ptr, chunk_offsets_ptr, num_seqs, chunk, C, SEARCH_STEPS)
+    ci = tl.arange(0, C)
+    rows = start + ci
+    r_ok = rows < end
+    rows64 = rows.to(tl.int64)
+    t = tl.load(t_ptr + (chunk.to(tl.int64) * HV + hv) * (C * C) + ci[:, None] * C + ci[None, :])
+    kk = tl.arange(0, BK)
+    k_mask = r_ok[:, None] & (kk < K)[None, :]
+    k = tl.load(k_ptr + rows64[:, None] * stride_k_row + (hv // GROUP) * stride_k_head + kk[None, :],
+                mask=k_mask, other=0.0).to(tl.float32)
+    if L2NORM:
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
+    beta = tl.load(beta_ptr + rows64 * stride_b_row + hv, mask=r_ok, other=0.0).to(tl.float32)
+    gamma = tl.load(gamma_ptr + rows64 * HV + hv, mask=r_ok, other=0.0)
+    out_rows = rows64[:, None] * HV + hv
+    w = dot(t, k * (beta * tl.exp(gamma))[:, None], PRECISION)
+    tl.store(w_ptr + out_rows * K + kk[None, :], w, mask=k_mask)
+    for vb in tl.static_range(0, V, BV):  # U in V blocks: fewer live registers
+        vv = vb + tl.arange(0, BV)
+        v_mask = r_ok[:, None] & (vv < V)[None, :]
+        v = tl.load(v_ptr + rows64[:, None] * stride_v_row + hv * stride_v_head + vv[None, :],
+                    mask=v_mask, other=0.0).to(tl.float32)
+        u = dot(t, v * beta[:, None], PRECISION)
+        tl.store(u_ptr + out_rows * V + vv[None, :], u, mask=v_mask)
+
+
+@triton_kernel
+def _chunk_state_kernel(
+    kd_ptr,
+    w_ptr,
+    u_ptr,
+    gamma_ptr,
+    h_ptr,
+    state_ptr,
+    idx_ptr,
+    cu_ptr,
+    init_ptr,
+    chunk_offsets_ptr,
+    stride_s_slot,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (request, value head, V block), the only sequential part: walks the request's chunks
+    carrying S [K, BV] in registers; saves each chunk's entry state to ``h``, turns U into
+    V' = U − W S in place, and writes the final state."""
     seq = tl.program_id(0)
     hv = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
     kk = tl.arange(0, BK)
     k_ok = kk < K
     v_ok = vv < V
-    h = hv // GROUP
     start = tl.load(cu_ptr + seq)
     end = tl.load(cu_ptr + seq + 1)
     slot = tl.load(idx_ptr + seq).to(tl.int64)
     has_init = tl.load(init_ptr + seq) != 0
-    s_ptrs = state_ptr + slot * stride_s_slot + hv * (K * V) + kk[:, None] * V + vv[None, :]
+    s_off = kk[:, None] * V + vv[None, :]
     s_mask = k_ok[:, None] & v_ok[None, :]
+    s_ptrs = state_ptr + slot * stride_s_slot + hv * (K * V) + s_off
     s = tl.load(s_ptrs, mask=s_mask, other=0.0)
     s = tl.where(has_init, s, 0.0)  # a fresh slot's contents (even NaN) never enter
+    chunk = tl.load(chunk_offsets_ptr + seq).to(tl.int64)
     ci = tl.arange(0, C)
-    causal = ci[:, None] >= ci[None, :]
     for c0 in range(start, end, C):
+        tl.store(h_ptr + (chunk * HV + hv) * (K * V) + s_off, cast(s, h_ptr.dtype.element_ty),
+                 mask=s_mask)
         rows = c0 + ci
         r_ok = rows < end
         rows64 = rows.to(tl.int64)
-        qk_mask = r_ok[:, None] & k_ok[None, :]
-        q = tl.load(q_ptr + rows64[:, None] * stride_q_row + h * stride_q_head + kk[None, :],
-                    mask=qk_mask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
-                    mask=qk_mask, other=0.0).to(tl.float32)
-        if L2NORM:
-            q = q * tl.rsqrt(tl.sum(q * q, 1) + EPS)[:, None]
-            k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
-        q = q * scale
+        k_mask = r_ok[:, None] & k_ok[None, :]
         out_rows = rows64[:, None] * HV + hv
-        gamma = tl.load(gamma_ptr + rows64 * HV + hv, mask=r_ok, other=0.0)
         last = tl.minimum(c0 + C, end) - 1
         gamma_last = tl.load(gamma_ptr + last.to(tl.int64) * HV + hv)
-        w = tl.load(w_ptr + out_rows * K + kk[None, :], mask=qk_mask, other=0.0)
-        u = tl.load(u_ptr + out_rows * V + vv[None, :], mask=r_ok[:, None] & v_ok[None, :], other=0.0)
-        v_new = u - dot(w, s, PRECISION)
-        decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0))
-        attn = tl.where(causal, dot(q, tl.trans(k), PRECISION) * decay, 0.0)
-        o = dot(q * tl.exp(gamma)[:, None], s, PRECISION) + dot(attn, v_new, PRECISION)
-        tl.store(o_ptr + out_rows * V + vv[None, :], cast(o, o_ptr.dtype.element_ty),
-                 mask=r_ok[:, None] & v_ok[None, :])
-        k_decayed = k * tl.exp(gamma_last - gamma)[:, None]
+        w = tl.load(w_ptr + out_rows * K + kk[None, :], mask=k_mask, other=0.0)
+        u_ptrs = u_ptr + out_rows * V + vv[None, :]
+        u_mask = r_ok[:, None] & v_ok[None, :]
+        v_new = tl.load(u_ptrs, mask=u_mask, other=0.0) - dot(w, s, PRECISION)
+        tl.store(u_ptrs, v_new, mask=u_mask)
+        k_decayed = tl.load(kd_ptr + out_rows * K + kk[None, :], mask=k_mask, other=0.0)
         s = s * tl.exp(gamma_last) + dot(tl.trans(k_decayed), v_new, PRECISION)
+        chunk += 1
     tl.store(s_ptrs, s, mask=s_mask)
+
+
+@triton_kernel
+def _chunk_output_kernel(
+    q_ptr,
+    k_ptr,
+    v_new_ptr,
+    gamma_ptr,
+    h_ptr,
+    cu_ptr,
+    chunk_offsets_ptr,
+    o_ptr,
+    num_seqs,
+    scale,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    L2NORM: tl.constexpr,
+    EPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (chunk, value head, V block), all in parallel:
+    O = (Q e^γ) S_entry + lower(Q Kᵀ ⊙ e^{γ_i−γ_j}) V'."""
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    if chunk >= tl.load(chunk_offsets_ptr + num_seqs):
+        return
+    start, end = _chunk_rows(cu_ptr, chunk_offsets_ptr, num_seqs, chunk, C, SEARCH_STEPS)
+    ci = tl.arange(0, C)
+    rows = start + ci
+    r_ok = rows < end
+    rows64 = rows.to(tl.int64)
+    kk = tl.arange(0, BK)
+    k_ok = kk < K
+    v_ok = vv < V
+    h = hv // GROUP
+    qk_mask = r_ok[:, None] & k_ok[None, :]
+    q = tl.load(q_ptr + rows64[:, None] * stride_q_row + h * stride_q_head + kk[None, :],
+                mask=qk_mask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + rows64[:, None] * stride_k_row + h * stride_k_head + kk[None, :],
+                mask=qk_mask, other=0.0).to(tl.float32)
+    if L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q, 1) + EPS)[:, None]
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
+    q = q * scale
+    gamma = tl.load(gamma_ptr + rows64 * HV + hv, mask=r_ok, other=0.0)
+    causal = (ci[:, None] >= ci[None, :]) & r_ok[:, None]  # rows past the end: exp would overflow
+    decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0))
+    attn = tl.where(causal, dot(q, tl.trans(k), PRECISION) * decay, 0.0)
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(h_ptr + (chunk.to(tl.int64) * HV + hv) * (K * V) + kk[:, None] * V + vv[None, :],
+                mask=s_mask, other=0.0).to(tl.float32)
+    out_rows = rows64[:, None] * HV + hv
+    o_mask = r_ok[:, None] & v_ok[None, :]
+    v_new = tl.load(v_new_ptr + out_rows * V + vv[None, :], mask=o_mask, other=0.0)
+    o = dot(q * tl.exp(gamma)[:, None], s, PRECISION) + dot(attn, v_new, PRECISION)
+    tl.store(o_ptr + out_rows * V + vv[None, :], cast(o, o_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _check_state_layout(state: torch.Tensor) -> None:
@@ -484,6 +647,24 @@ def _check_state_layout(state: torch.Tensor) -> None:
 def _check_rows(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         check_contiguous_last_dim(name, t)
+
+
+# Launch shapes of the chunk kernels (V block widths, pipelining of the state kernel's loop).
+# tests/kernels/test_gdn_kernels_compile.py compiles the kernels with these for sm_90 and
+# gfx942 offline and checks they fit (the default 3 stages of the state kernel need 232 KiB of
+# shared memory at C = 64, K = 128: more than an H100/H200 block may have).
+_PREPARE_BV = 32
+_SOLVE_WARPS = 4
+_SOLVE_BLOCK = 16  # rows per block of the blocked forward substitution (tl.dot needs >= 16)
+_STATE_BV = 32
+_STATE_STAGES = 2
+_OUTPUT_BV = 64
+
+
+def _warps(chunk_size: int, block_k: int) -> int:
+    """Warps for the chunk kernels: their [C, K] float32 tiles spill registers below 8 warps at
+    C = 64, K = 128 (ptxas resource usage for sm_90, checked offline)."""
+    return 8 if chunk_size * block_k >= 4096 else 4
 
 
 def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has_initial_state,
@@ -506,28 +687,57 @@ def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has
     chunk_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     torch.cumsum((lengths + chunk_size - 1) // chunk_size, 0, out=chunk_offsets[1:])
     w = torch.empty(rows, vheads, kdim, dtype=torch.float32, device=device)
+    kd = torch.empty_like(w)
     u = torch.empty(rows, vheads, vdim, dtype=torch.float32, device=device)
     gamma = torch.empty(rows, vheads, dtype=torch.float32, device=device)
     bk = next_power_of_2(kdim)
+    bv_full = next_power_of_2(vdim)
     precision = dot_precision(v.dtype)
     group = vheads // heads
     search = max(1, batch.bit_length())
+    max_chunks = rows // chunk_size + batch  # >= sum(ceil(len_i / C)) whatever the lengths
+    # Entry state of every chunk, in the activation dtype for 16-bit models (halves the scratch;
+    # it only feeds the output product), float32 otherwise.
+    h = torch.empty(max_chunks, vheads, kdim, vdim, device=device,
+                    dtype=torch.float32 if v.dtype == torch.float32 else v.dtype)
     if rows:
-        max_chunks = rows // chunk_size + batch
-        _chunk_prepare_kernel.on(device)[(max_chunks, vheads)](
-            k, v, g, beta, cu_seqlens, chunk_offsets, w, u, gamma, batch,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BVF=next_power_of_2(vdim), C=chunk_size,
-            SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision,
-            num_warps=8 if chunk_size * max(bk, vdim) >= 8192 else 4,
+        grid = (max_chunks, vheads)
+        a_scratch = torch.empty(max_chunks, vheads, chunk_size, chunk_size, dtype=torch.float32,
+                                device=device)
+        warps = _warps(chunk_size, bk)
+        _chunk_kkt_kernel.on(device)[grid](
+            k, g, beta, cu_seqlens, chunk_offsets, a_scratch, kd, gamma, batch,
+            k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
+            HV=vheads, GROUP=group, K=kdim, BK=bk, C=chunk_size, SEARCH_STEPS=search,
+            L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision, num_warps=warps,
         )
-    bv = min(32, next_power_of_2(vdim))
-    _chunk_scan_kernel.on(device)[(batch, vheads, cdiv(vdim, bv))](
-        q, k, w, u, gamma, state, state_indices, cu_seqlens, has_initial_state.view(torch.uint8), out,
-        scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), state.stride(0),
-        HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=bv, C=chunk_size, L2NORM=use_qk_l2norm,
-        EPS=L2NORM_EPS, PRECISION=precision, num_warps=4 if chunk_size <= 32 else 8,
+        _chunk_solve_kernel.on(device)[grid](  # T = (I + A)⁻¹, in place
+            a_scratch, chunk_offsets, batch, HV=vheads, C=chunk_size, BS=_SOLVE_BLOCK,
+            num_warps=_SOLVE_WARPS,
+        )
+        _chunk_wu_kernel.on(device)[grid](
+            k, v, beta, gamma, a_scratch, cu_seqlens, chunk_offsets, w, u, batch,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0),
+            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=min(_PREPARE_BV, bv_full),
+            C=chunk_size, SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS,
+            PRECISION=precision, num_warps=warps,
+        )
+    bv = min(_STATE_BV, bv_full)
+    _chunk_state_kernel.on(device)[(batch, vheads, cdiv(vdim, bv))](
+        kd, w, u, gamma, h, state, state_indices, cu_seqlens, has_initial_state.view(torch.uint8),
+        chunk_offsets, state.stride(0),
+        HV=vheads, K=kdim, V=vdim, BK=bk, BV=bv, C=chunk_size, PRECISION=precision,
+        num_warps=_warps(chunk_size, bk), num_stages=_STATE_STAGES,
     )
+    if rows:
+        bvo = min(_OUTPUT_BV, bv_full)
+        _chunk_output_kernel.on(device)[(max_chunks, vheads, cdiv(vdim, bvo))](
+            q, k, u, gamma, h, cu_seqlens, chunk_offsets, out, batch, scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            HV=vheads, GROUP=group, K=kdim, V=vdim, BK=bk, BV=bvo, C=chunk_size,
+            SEARCH_STEPS=search, L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, PRECISION=precision,
+            num_warps=_warps(chunk_size, bk),
+        )
     return out
 
 

@@ -4,7 +4,12 @@ Usage: ``python -m tandem.kernels.gpu_check --out DIR [--quick] [--only SUBSTRIN
 
 Shapes are Qwen3-8B's (32 query heads, 8 KV heads, head_dim 128, hidden 4096, intermediate 12288,
 vocab 151936; block size 16; bfloat16), plus SmolLM2's grouped-query shape (9 heads over 3 KV
-heads, head_dim 64) for the non-power-of-two group. For every case the script
+heads, head_dim 64) for the non-power-of-two group, and Qwen3-Next's Gated DeltaNet layer (16 q/k
+heads, 32 value heads, K = V = 128, conv width 4 over 8192 channels) for the ``gdn_*`` kernels
+(``--only gdn``; the recurrent decode update's GB/s counts its float32 state read + written), and
+Qwen3-30B-A3B's MoE layer (128 experts, 8 per token, hidden 2048, expert intermediate 768) for
+``fused_moe``, whose GB/s counts the weights of the experts the batch's routing actually selected
+(plus activations). For every case the script
 
 * pre-fills outputs with NaN (so an element the kernel never wrote shows up), runs the kernel and
   its reference, and requires no NaN and a relative error ``max|out − ref| / max|ref|`` ≤ 1e-2;
@@ -34,11 +39,30 @@ from typing import Any
 
 import torch
 
-from tandem.kernels import activation, kv_store, norm, paged_attention, rotary, sampling
+from tandem.kernels import (
+    activation,
+    causal_conv1d,
+    fused_moe,
+    gated_delta_rule,
+    gated_norm,
+    kv_store,
+    norm,
+    paged_attention,
+    rotary,
+    sampling,
+)
 
 TOLERANCE = 1e-2
 QWEN3 = {"heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "inter": 12288,
          "vocab": 151936}
+# Qwen3-30B-A3B's MoE layer: 128 experts of intermediate 768 over hidden 2048, 8 per token.
+QWEN3_MOE = {"experts": 128, "top_k": 8, "hidden": 2048, "inter": 768}
+# Qwen3-Next's Gated DeltaNet layer: 16 q/k heads, 32 value heads, head dims 128, conv width 4;
+# the conv runs over q, k and v together (2·H·K + HV·V channels).
+GDN = {"heads": 16, "vheads": 32, "kdim": 128, "vdim": 128, "conv_width": 4}
+GDN_CONV_DIM = 2 * GDN["heads"] * GDN["kdim"] + GDN["vheads"] * GDN["vdim"]
+GDN_PREFILL_LENGTHS = ([4096], [1024] * 4, [3000, 1, 700, 395])  # 4k-token prefill steps
+GDN_DECODE_BATCHES = (1, 64, 256)
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 
@@ -397,6 +421,35 @@ def _activation_cases(quick: bool, device: torch.device, gen: torch.Generator) -
                    bytes_moved=3 * out.numel() * out.element_size())
 
 
+def _moe_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    e, k, hd, inter = (QWEN3_MOE[key] for key in ("experts", "top_k", "hidden", "inter"))
+    w_gate_up = torch.randn(e, 2 * inter, hd, device=device, dtype=DTYPE, generator=gen) * hd**-0.5
+    w_down = torch.randn(e, hd, inter, device=device, dtype=DTYPE, generator=gen) * inter**-0.5
+    expert_bytes = 3 * hd * inter * w_down.element_size()
+    for tokens in (1, 256, 4096) if quick else (1, 64, 256, 4096):
+        x = torch.randn(tokens, hd, device=device, dtype=DTYPE, generator=gen)
+        logits = torch.randn(tokens, e, device=device, generator=gen)
+        weights, ids = fused_moe.select_experts(logits, k, renormalize=True)
+        distinct = int(torch.unique(ids).numel())
+        out = torch.full((tokens, hd), float("nan"), device=device, dtype=DTYPE)
+
+        def run(x=x, weights=weights, ids=ids, out=out) -> None:
+            out.copy_(fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids))
+
+        def align(ids=ids, p=tokens * k) -> None:
+            fused_moe.align_pairs_by_expert(ids, e, fused_moe._block_m(p, e))
+
+        def cmp(x=x, weights=weights, ids=ids, out=out):
+            return [("out", out, fused_moe.fused_moe_reference(x, w_gate_up, w_down, weights, ids))]
+
+        activations = (2 * tokens * hd + tokens * k * (2 * inter + hd)) * x.element_size()
+        yield Case("fused_moe", f"N={tokens} E={e} k={k} Hd={hd} I={inter}",
+                   {"tokens": tokens, "experts": e, "top_k": k, "distinct_experts": distinct},
+                   run, cmp, lambda out=out: out.fill_(float("nan")),
+                   bytes_moved=distinct * expert_bytes + activations,
+                   flops=2 * tokens * k * 3 * hd * inter, extra_timings={"align": align})
+
+
 def _sampling_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
     vocab = QWEN3["vocab"]
     for rows in (1, 32, 256):
@@ -424,6 +477,224 @@ def _sampling_cases(quick: bool, device: torch.device, gen: torch.Generator) -> 
                    run, cmp, lambda out=out: out.fill_(float("nan")),
                    bytes_moved=2 * logits.numel() * 4,
                    extra_timings={"sort_reference": ref_only}, exact_fraction=True)
+
+
+def _gdn_qkv(tokens: int, device: torch.device, gen: torch.Generator):
+    """q, k, v as the layer sees them: strided views into one conv output [T, conv_dim]; g, beta
+    as Qwen3-Next computes them (g = -exp(A)·softplus(a) in float32, beta = sigmoid(b))."""
+    h, hv, kd, vd = GDN["heads"], GDN["vheads"], GDN["kdim"], GDN["vdim"]
+    mixed = torch.randn(tokens, GDN_CONV_DIM, device=device, dtype=DTYPE, generator=gen)
+    q = mixed[:, : h * kd].view(tokens, h, kd)
+    k = mixed[:, h * kd : 2 * h * kd].view(tokens, h, kd)
+    v = mixed[:, 2 * h * kd :].view(tokens, hv, vd)
+    a = torch.randn(tokens, hv, device=device, generator=gen)
+    decay_rate = torch.rand(hv, device=device, generator=gen) * 4 + 0.1
+    g = -decay_rate * torch.nn.functional.softplus(a)
+    beta = torch.sigmoid(torch.randn(tokens, hv, device=device, generator=gen)).to(DTYPE)
+    return q, k, v, g, beta
+
+
+def _gdn_pool(num_slots: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """A float32 state pool [num_slots + 1, HV, K, V] (last slot = scratch), NaN everywhere:
+    the cases fill the slots they use, so a read of any other slot shows up."""
+    shape = (num_slots + 1, GDN["vheads"], GDN["kdim"], GDN["vdim"])
+    return torch.full(shape, float("nan"), device=device, dtype=torch.float32)
+
+
+def _gdn_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    """Gated DeltaNet kernels at Qwen3-Next's shapes: recurrent decode update (GB/s of state
+    read + written), chunked prefill of 4k tokens, conv1d prefill/update, gated RMSNorm."""
+    hv, kd, vd, width = GDN["vheads"], GDN["kdim"], GDN["vdim"], GDN["conv_width"]
+    scale = kd**-0.5
+    for batch in GDN_DECODE_BATCHES if quick else sorted({*GDN_DECODE_BATCHES, 16, 128}):
+        yield _gdn_decode_case(device, gen, batch, scale)
+    for lengths in GDN_PREFILL_LENGTHS:
+        yield _gdn_prefill_case(device, gen, lengths, scale)
+    # Conv1d over q, k, v (8192 channels): decode update and a 4k-token prefill.
+    weight = torch.randn(GDN_CONV_DIM, width, device=device, dtype=DTYPE, generator=gen) * 0.5
+    for batch in GDN_DECODE_BATCHES:
+        yield _gdn_conv_update_case(device, gen, weight, batch)
+    for lengths in GDN_PREFILL_LENGTHS[:2]:
+        yield _gdn_conv_prefill_case(device, gen, weight, lengths)
+    norm_weight = 1 + 0.1 * torch.randn(vd, device=device, dtype=DTYPE, generator=gen)
+    for tokens in (1, 256, sum(GDN_PREFILL_LENGTHS[0])):
+        x = torch.randn(tokens * hv, vd, device=device, dtype=DTYPE, generator=gen)
+        z = torch.randn(tokens * hv, vd, device=device, dtype=DTYPE, generator=gen)
+        holder: dict[str, torch.Tensor] = {}
+
+        def run_norm(x=x, z=z, holder=holder) -> None:
+            holder["out"] = gated_norm.rms_norm_gated(x, z, norm_weight, 1e-6)
+
+        def cmp_norm(x=x, z=z, holder=holder):
+            return [("out", holder["out"], gated_norm.rms_norm_gated_ref(x, z, norm_weight, 1e-6))]
+
+        yield Case("gdn_rms_norm_gated", f"T={tokens} {hv}x{vd}", {"tokens": tokens}, run_norm,
+                   cmp_norm, bytes_moved=3 * x.numel() * x.element_size())
+
+
+_gdn_cases.kernels = (  # type: ignore[attr-defined]
+    "gdn_recurrent_update", "gdn_chunk_prefill", "gdn_conv1d_update", "gdn_conv1d_prefill",
+    "gdn_rms_norm_gated",
+)
+
+
+def _gdn_decode_case(device: torch.device, gen: torch.Generator, batch: int, scale: float) -> Case:
+    q, k, v, g, beta = _gdn_qkv(batch, device, gen)
+    num_slots = 2 * batch + 1
+    pool = _gdn_pool(num_slots, device, gen)
+    slots = torch.randperm(num_slots, device=device, generator=gen)[:batch].to(torch.int32)
+    initial = torch.randn(batch, *pool.shape[1:], device=device, generator=gen) * 0.1
+    holder: dict[str, torch.Tensor] = {}
+
+    def prepare() -> None:
+        pool.fill_(float("nan"))
+        pool[slots.long()] = initial
+
+    def run() -> None:
+        holder["out"] = gated_delta_rule.fused_recurrent_gated_delta_rule_update(
+            q, k, v, g, beta, scale, pool, slots)
+
+    def compare():
+        ref_pool = _gdn_pool(num_slots, device, gen)
+        ref_pool[slots.long()] = initial
+        ref = gated_delta_rule.fused_recurrent_gated_delta_rule_update_ref(
+            q, k, v, g, beta, scale, ref_pool, slots)
+        return [("out", holder["out"], ref),
+                ("state", pool[slots.long()], ref_pool[slots.long()]),
+                ("unused_slots_nan", torch.isnan(pool).float(), torch.isnan(ref_pool).float())]
+
+    def run_torch() -> None:  # the PyTorch twin (gather, einsum, scatter), for contrast
+        gated_delta_rule.fused_recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, scale, pool,
+                                                                     slots)
+
+    state_bytes = 2 * batch * pool[0].numel() * 4  # read once + written once, float32
+    io_bytes = (2 * q.numel() + 2 * v.numel()) * q.element_size() + batch * GDN["vheads"] * 6
+    return Case("gdn_recurrent_update", f"B={batch} H={GDN['heads']} HV={GDN['vheads']} K=V=128",
+                {"batch": batch, "state_bytes": state_bytes}, run, compare, prepare,
+                bytes_moved=state_bytes + io_bytes,
+                flops=batch * GDN["vheads"] * GDN["kdim"] * GDN["vdim"] * 8,
+                extra_timings={"torch_twin": run_torch})
+
+
+def _gdn_prefill_case(device: torch.device, gen: torch.Generator, lengths: list[int],
+                      scale: float) -> Case:
+    tokens = sum(lengths)
+    q, k, v, g, beta = _gdn_qkv(tokens, device, gen)
+    batch = len(lengths)
+    pool = _gdn_pool(batch, device, gen)
+    slots = torch.arange(batch, device=device, dtype=torch.int32).flip(0)
+    initial = torch.randn(batch, *pool.shape[1:], device=device, generator=gen) * 0.1
+    has_initial = torch.tensor([i % 2 == 1 for i in range(batch)], device=device)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu_seqlens = torch.tensor(bounds, device=device, dtype=torch.int32)
+    holder: dict[str, torch.Tensor] = {}
+
+    def prepare() -> None:
+        pool.fill_(float("nan"))
+        pool[slots.long()] = initial
+
+    def run() -> None:
+        holder["out"] = gated_delta_rule.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale, pool, slots, cu_seqlens, has_initial)
+
+    def compare():
+        ref_pool = _gdn_pool(batch, device, gen)
+        ref_pool[slots.long()] = initial
+        ref = gated_delta_rule.chunk_gated_delta_rule_ref(
+            q, k, v, g, beta, scale, ref_pool, slots, cu_seqlens, has_initial)
+        return [("out", holder["out"], ref),
+                ("final_state", pool[slots.long()], ref_pool[slots.long()]),
+                ("unused_slots_nan", torch.isnan(pool).float(), torch.isnan(ref_pool).float())]
+
+    hv, kd, vd = GDN["vheads"], GDN["kdim"], GDN["vdim"]
+    c = gated_delta_rule.DEFAULT_CHUNK_SIZE
+    chunks = sum(-(-n // c) for n in lengths)
+    # Multiply-adds per (chunk, value head): K Kᵀ, W, U (C²K + C²K + C²V); W S and Kᵀ V' (2CKV);
+    # Q Kᵀ, Q S, attn V' (C²K + CKV + C²V). The substitution's C³/3 is left out.
+    macs = chunks * hv * (3 * c * c * kd + 2 * c * c * vd + 3 * c * kd * vd)
+    elt = q.element_size()
+    io_bytes = tokens * (2 * GDN["heads"] * kd + 2 * hv * vd) * elt + tokens * hv * (4 + elt)
+    def run_chunk32() -> None:  # the other chunk size, so the default can be chosen by timing
+        gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, scale, pool, slots, cu_seqlens,
+                                                has_initial, chunk_size=32)
+
+    return Case("gdn_chunk_prefill", f"T={tokens} B={batch} lens={lengths if batch <= 4 else '…'}",
+                {"lengths": lengths, "chunk_size": c}, run, compare, prepare,
+                bytes_moved=io_bytes + 2 * batch * pool[0].numel() * 4, flops=2 * macs,
+                extra_timings={"chunk_size_32": run_chunk32})
+
+
+def _gdn_conv_update_case(device: torch.device, gen: torch.Generator, weight: torch.Tensor,
+                          batch: int) -> Case:
+    width = weight.shape[1]
+    x = torch.randn(batch, GDN_CONV_DIM, device=device, dtype=DTYPE, generator=gen)
+    num_slots = 2 * batch + 1
+    pool = torch.full((num_slots + 1, GDN_CONV_DIM, width - 1), float("nan"), device=device,
+                      dtype=DTYPE)
+    slots = torch.randperm(num_slots, device=device, generator=gen)[:batch].to(torch.int32)
+    initial = torch.randn(batch, GDN_CONV_DIM, width - 1, device=device, dtype=DTYPE, generator=gen)
+    holder: dict[str, torch.Tensor] = {}
+
+    def prepare() -> None:
+        pool.fill_(float("nan"))
+        pool[slots.long()] = initial
+
+    def run() -> None:
+        holder["out"] = causal_conv1d.causal_conv1d_update(x, weight, None, pool, slots)
+
+    def compare():
+        ref_pool = torch.full_like(pool, float("nan"))
+        ref_pool[slots.long()] = initial
+        ref = causal_conv1d.causal_conv1d_update_ref(x, weight, None, ref_pool, slots)
+        return [("out", holder["out"], ref),
+                ("state", pool[slots.long()], ref_pool[slots.long()]),
+                ("unused_slots_nan", torch.isnan(pool).float(), torch.isnan(ref_pool).float())]
+
+    elt = x.element_size()
+    return Case("gdn_conv1d_update", f"B={batch} D={GDN_CONV_DIM} W={width}", {"batch": batch},
+                run, compare, prepare,
+                bytes_moved=batch * GDN_CONV_DIM * (2 * (width - 1) + 2) * elt)
+
+
+def _gdn_conv_prefill_case(device: torch.device, gen: torch.Generator, weight: torch.Tensor,
+                           lengths: list[int]) -> Case:
+    width = weight.shape[1]
+    tokens = sum(lengths)
+    batch = len(lengths)
+    x = torch.randn(tokens, GDN_CONV_DIM, device=device, dtype=DTYPE, generator=gen)
+    pool = torch.full((batch + 1, GDN_CONV_DIM, width - 1), float("nan"), device=device,
+                      dtype=DTYPE)
+    slots = torch.arange(batch, device=device, dtype=torch.int32)
+    initial = torch.randn(batch, GDN_CONV_DIM, width - 1, device=device, dtype=DTYPE, generator=gen)
+    has_initial = torch.tensor([i % 2 == 0 for i in range(batch)], device=device)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu_seqlens = torch.tensor(bounds, device=device, dtype=torch.int32)
+    holder: dict[str, torch.Tensor] = {}
+
+    def prepare() -> None:
+        pool.fill_(float("nan"))
+        pool[slots.long()] = initial
+
+    def run() -> None:
+        holder["out"] = causal_conv1d.causal_conv1d_prefill(x, weight, None, pool, slots, cu_seqlens,
+                                                            has_initial)
+
+    def compare():
+        ref_pool = torch.full_like(pool, float("nan"))
+        ref_pool[slots.long()] = initial
+        ref = causal_conv1d.causal_conv1d_prefill_ref(x, weight, None, ref_pool, slots, cu_seqlens,
+                                                      has_initial)
+        return [("out", holder["out"], ref),
+                ("state", pool[slots.long()], ref_pool[slots.long()]),
+                ("unused_slots_nan", torch.isnan(pool).float(), torch.isnan(ref_pool).float())]
+
+    return Case("gdn_conv1d_prefill", f"T={tokens} B={batch} D={GDN_CONV_DIM} W={width}",
+                {"lengths": lengths}, run, compare, prepare,
+                bytes_moved=2 * x.numel() * x.element_size())
 
 
 # --------------------------------------------------------------------------- running
@@ -564,6 +835,8 @@ def _table(results: list[dict[str, Any]], copy_gbps: float | None) -> str:
         for key, extra in r.items():
             if key.endswith("_timing") and isinstance(extra, dict) and "median_us" in extra:
                 notes.append(f"{key[: -len('_timing')].replace('_', ' ')} {extra['median_us']:.1f} µs")
+        if "distinct_experts" in r.get("params", {}):
+            notes.append(f"{r['params']['distinct_experts']} experts read")
         if "num_splits" in r.get("params", {}):
             notes.append(f"splits={r['params']['num_splits']}")
         lines.append(
@@ -616,8 +889,12 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator(device=device)
         gen.manual_seed(args.seed)
         families = [_decode_cases, _prefill_cases, _norm_cases, _rotary_cases, _activation_cases,
-                    _sampling_cases]
+                    _moe_cases, _sampling_cases, _gdn_cases]
         for family in families:
+            # A family that lists its kernel names is skipped unbuilt when --only excludes them.
+            names = getattr(family, "kernels", None)
+            if args.only and names and not any(args.only in name for name in names):
+                continue
             cases = family(args.quick, device, gen)
             while True:
                 try:

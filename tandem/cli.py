@@ -30,6 +30,7 @@ from tandem.cli_options import (
     ServeArgs,
     ServerArgs,
 )
+from tandem.engine_service.config import KVTransferConfig
 from tandem.startup_checks import StartupError
 
 
@@ -60,10 +61,14 @@ def _metrics_options(args) -> dict:
     return {"metrics_host": args.metrics_host or args.host, "metrics_port": args.metrics_port}
 
 
-def _engine_metrics_argv(args) -> list[str]:
-    """`serve`: the engine child's metrics flags (its own port, the shared bind address)."""
+def _engine_metrics_argv(args, offset: int = 0) -> list[str]:
+    """`serve`: the engine child's metrics flags (its own port, the shared bind address); the
+    second engine of `--disaggregated` uses the port `offset` above."""
     if args.engine_metrics_port is None:
         return []
+    if offset:
+        port = args.engine_metrics_port + offset if args.engine_metrics_port else 0
+        return ["--metrics-host", args.metrics_host or args.engine_host, "--metrics-port", str(port)]
     if args.engine_metrics_port == args.metrics_port and args.metrics_port != 0:
         raise StartupError("--engine-metrics-port", args.engine_metrics_port,
                            "must differ from --metrics-port (two processes)")
@@ -113,21 +118,36 @@ def cmd_engine(args) -> int:
                                                                 **_metrics_options(args)))
 
 
-def _frontend_options(args, engines: list[str]):
+def _frontend_options(args, engines: list[str], prefill: list[str] | None = None, decode: list[str] | None = None):
     from tandem.frontend.app import FrontendOptions
 
     server = options.from_args(ServerArgs, args)
     return FrontendOptions(host=server.host, port=server.port, engines=engines, tokenizer_path=args.tokenizer,
+                           prefill_engines=list(prefill or []), decode_engines=list(decode or []),
                            served_model_name=args.served_model_name, default_max_tokens=server.default_max_tokens,
                            drain_timeout=server.drain_timeout, security=_security(args),
                            engine_security=_security(args, "engine-"), reflection=server.enable_reflection,
                            engine_transport=args.engine_transport, **_metrics_options(args))
 
 
+def _disaggregated_engines(args) -> tuple[list[str], list[str]]:
+    """`--prefill-engine` / `--decode-engine`: both or neither, and not with `--engine`."""
+    prefill, decode = args.prefill_engine or [], args.decode_engine or []
+    if bool(prefill) != bool(decode):
+        missing = "--decode-engine" if prefill else "--prefill-engine"
+        raise StartupError(missing, None, f"{missing} is needed too: disaggregated prefill/decode takes a "
+                                          "prefill pool and a decode pool")
+    if prefill and args.engine:
+        raise StartupError("--engine", None, "--engine cannot be combined with --prefill-engine/--decode-engine "
+                                             "(the two pools replace it)")
+    return prefill, decode
+
+
 def cmd_frontend(args) -> int:
     from tandem import startup_checks
 
-    engines = args.engine or [DEFAULT_ENGINE_ADDRESS]
+    prefill, decode = _disaggregated_engines(args)
+    engines = prefill + decode if prefill else (args.engine or [DEFAULT_ENGINE_ADDRESS])
     startup_checks.check_port_free("--port", args.host, args.port)
     startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
     startup_checks.check_pem_files(args)
@@ -135,7 +155,7 @@ def cmd_frontend(args) -> int:
     startup_checks.check_engines_reachable(engines, args.engine_connect_timeout)
     from tandem.frontend.workers import run_frontend_workers
 
-    return run_frontend_workers(_frontend_options(args, engines), args.workers, args.log_level,
+    return run_frontend_workers(_frontend_options(args, engines, prefill, decode), args.workers, args.log_level,
                                 args.log_format == "json")
 
 
@@ -148,15 +168,39 @@ def _child_env(parser_for_engine: argparse.ArgumentParser) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in names}
 
 
+def _kv_role_argv(args, role: str) -> list[str]:
+    """`serve --disaggregated`: an engine child's KV role, after the shared engine flags (the
+    later flag wins). The producer serves pulls on --kv-transfer-address when one was given, else
+    on a free port of --engine-host; a given --kv-engine-id gets the role as a suffix."""
+    argv = ["--kv-role", role]
+    if role == "producer":
+        given = args.transfer_address
+        argv += ["--kv-transfer-address", given if given != _DEFAULT_KV_ADDRESS else f"{args.engine_host}:0"]
+    if args.engine_id:
+        argv += ["--kv-engine-id", f"{args.engine_id}-{'prefill' if role == 'producer' else 'decode'}"]
+    return argv
+
+
+_DEFAULT_KV_ADDRESS = KVTransferConfig.transfer_address
+
+
 def cmd_serve(args) -> int:
-    """Engine in a child process, frontend in this one; either ending ends both."""
+    """Engine in a child process (two with --disaggregated: a prefill and a decode engine),
+    frontend in this one; any of them ending ends all."""
     import multiprocessing
 
     from tandem import startup_checks
 
     _check_engine_flags(args)
+    decode_port = None
+    if args.disaggregated:
+        decode_port = args.decode_engine_port if args.decode_engine_port is not None else args.engine_port + 1
+        if decode_port == args.engine_port:
+            raise StartupError("--decode-engine-port", decode_port, "must differ from --engine-port (two engines)")
     startup_checks.check_port_free("--port", args.host, args.port)
     startup_checks.check_port_free("--engine-port", args.engine_host, args.engine_port)
+    if decode_port is not None:
+        startup_checks.check_port_free("--decode-engine-port", args.engine_host, decode_port)
     startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
     startup_checks.check_port_free("--engine-metrics-port", args.metrics_host or args.engine_host, args.engine_metrics_port)
     startup_checks.check_pem_files(args)
@@ -166,35 +210,50 @@ def cmd_serve(args) -> int:
     from tandem.security import engine_child_security
 
     engine_addr = f"{args.engine_host}:{args.engine_port}"
-    frontend_options = _frontend_options(args, [engine_addr])
+    if decode_port is not None:
+        decode_addr = f"{args.engine_host}:{decode_port}"
+        frontend_options = _frontend_options(args, [engine_addr, decode_addr], [engine_addr], [decode_addr])
+        # The decode engine's metrics (if asked) on the next port up.
+        engines = [(args.engine_port, _kv_role_argv(args, "producer"), _engine_metrics_argv(args)),
+                   (decode_port, _kv_role_argv(args, "consumer"), _engine_metrics_argv(args, offset=1))]
+    else:
+        frontend_options = _frontend_options(args, [engine_addr])
+        engines = [(args.engine_port, [], _engine_metrics_argv(args))]
     engine_security = frontend_options.engine_security
     # The engine child gets the server side of the engine hop; its token travels in the env.
     child_security_argv, child_env = engine_child_security(engine_security)
     server = options.from_args(ServerArgs, args)
-    child = subprocess.Popen(
+    children = [subprocess.Popen(
         [sys.executable, "-P", "-m", "tandem.cli", "--log-level", args.log_level, "--log-format", args.log_format,
-         "engine", "--host", args.engine_host, "--port", str(args.engine_port),
+         "engine", "--host", args.engine_host, "--port", str(port),
          "--default-max-tokens", str(server.default_max_tokens), "--drain-timeout", str(server.drain_timeout)]
-        + _engine_flags(args) + ["--engine-core", args.engine_core] + child_security_argv
-        + _engine_metrics_argv(args)
+        + _engine_flags(args) + role_argv + ["--engine-core", args.engine_core] + child_security_argv
+        + metrics_argv
         + (["--enable-reflection"] if server.enable_reflection else []),
         env={**_child_env(args.engine_parser), **child_env},
-    )
+    ) for port, role_argv, metrics_argv in engines]
 
     stopping = threading.Event()
     ready = threading.Event()
     engine_died = threading.Event()  # on its own, not stopped by us
+    died_code: list[int] = []
 
-    def end_during_startup(code: int, line: str | None) -> None:
-        # Nothing to drain before the frontend is ready: stop the child and the extra frontend
-        # workers this process started, and leave without the event loop's teardown noise.
-        stopping.set()
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
+    def stop_children(timeout: float) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
             try:
-                child.wait(15)
+                child.wait(timeout)
             except subprocess.TimeoutExpired:
                 child.kill()
+                child.wait()
+
+    def end_during_startup(code: int, line: str | None) -> None:
+        # Nothing to drain before the frontend is ready: stop the children and the extra frontend
+        # workers this process started, and leave without the event loop's teardown noise.
+        stopping.set()
+        stop_children(15)
         for worker in multiprocessing.active_children():
             worker.kill()
         if line:
@@ -205,40 +264,42 @@ def cmd_serve(args) -> int:
     def stop_during_startup(signum, frame):
         end_during_startup(128 + signum if signum != signal.SIGTERM else 0, None)
 
-    def watch_engine():
+    def watch_engine(child: subprocess.Popen, name: str):
         child.wait()
         if stopping.is_set():
             return
-        line = f"the engine exited with code {child.returncode}"
+        line = f"the {name} exited with code {child.returncode}"
         if not ready.is_set():
             end_during_startup(child.returncode or 1, line + " before it was ready (its log is above)")
+        if engine_died.is_set():
+            return
+        died_code.append(child.returncode)
         engine_died.set()
-        _report_line(args, line)  # the engine died on its own: end the frontend too
+        _report_line(args, line)  # an engine died on its own: end the frontend too
         os.kill(os.getpid(), signal.SIGTERM)
 
     def announce_ready():
         ready.set()
         address = f"{_connect_host(args.host)}:{args.port}"
-        print(f"Tandem is ready: {args.served_model_name or args.model} at {address} "
+        shape = (f" (disaggregated: prefill engine {engine_addr}, decode engine {decode_addr})"
+                 if decode_port is not None else "")
+        print(f"Tandem is ready: {args.served_model_name or args.model} at {address}{shape} "
               f"(try: tandem chat --address {address} \"Hello\")", flush=True)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_during_startup)
-    threading.Thread(target=watch_engine, name="engine-watch", daemon=True).start()
+    names = ["engine"] if len(children) == 1 else ["prefill engine", "decode engine"]
+    for child, name in zip(children, names):
+        threading.Thread(target=watch_engine, args=(child, name), name=f"{name}-watch", daemon=True).start()
     try:
         rc = run_frontend_workers(frontend_options, args.frontend_workers, args.log_level,
                                   args.log_format == "json", on_ready=announce_ready)
     finally:
         stopping.set()
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(server.drain_timeout + 10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        stop_children(server.drain_timeout + 10)
     if engine_died.is_set():
-        return rc or (child.returncode if child.returncode and child.returncode > 0 else 1)
+        code = died_code[0] if died_code else 1
+        return rc or (code if code and code > 0 else 1)
     return rc
 
 
@@ -320,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_engine_flags(serve)
     options.add_flags(serve, ServerArgs, title="frontend server")
     options.add_flags(serve, FrontendArgs, {"engine_transport": "mux"}, title="frontend",
-                      skip=("engine", "workers", "engine_connect_timeout"))
+                      skip=("engine", "workers", "engine_connect_timeout", "prefill_engine", "decode_engine"))
     options.add_flags(serve, ServeArgs, {"frontend_workers": "auto"}, title="engine child and frontend workers")
     options.add_flags(serve, EngineCoreArgs, title="engine core")
     options.add_flags(serve, MetricsArgs, title="metrics (the frontend's)")

@@ -48,6 +48,13 @@ class FrontendArgs:
                                            "multiplexed stream per engine (the faster one at high concurrency; "
                                            "tandem serve's default)",
                                  choices=("stream", "mux"))
+    prefill_engine: list[str] | None = _opt(None, "disaggregated prefill/decode: a prefill engine (--kv-role "
+                                                  "producer or both); repeat for a pool. With --decode-engine, "
+                                                  "every request runs a prefill leg here and a decode leg there "
+                                                  "(replaces --engine)", metavar="HOST:PORT")
+    decode_engine: list[str] | None = _opt(None, "disaggregated prefill/decode: a decode engine (--kv-role "
+                                                 "consumer or both); repeat for a pool; needs --prefill-engine",
+                                           metavar="HOST:PORT")
     workers: int = _opt(1, "frontend processes sharing the port (SO_REUSEPORT); metrics ports count up "
                            "from --metrics-port")
     engine_connect_timeout: float = _opt(30.0, "seconds to wait for each --engine address to accept "
@@ -95,6 +102,11 @@ class ServeArgs:
                                  parse=workers_count)
     engine_metrics_port: int | None = _opt(None, "serve the engine child's Prometheus metrics on this port; "
                                                  "off when not given")
+    disaggregated: bool = _opt(False, "start two engine children, a prefill engine (--kv-role producer, on "
+                                      "--engine-port) and a decode engine (--kv-role consumer, on "
+                                      "--decode-engine-port), and run every request in two legs")
+    decode_engine_port: int | None = _opt(None, "--disaggregated: the decode engine's port (default: "
+                                                "--engine-port + 1)")
 
 
 @dataclass

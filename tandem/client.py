@@ -12,6 +12,7 @@ from typing import Iterator
 import grpc
 from google.protobuf import json_format
 
+from tandem.protocol import kv_transfer_from_dict, kv_transfer_to_proto
 from tandem.security import SecurityOptions
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
@@ -41,7 +42,7 @@ def build_request(
     if prompt_token_ids is not None:
         req.prompt_token_ids.extend(prompt_token_ids)
     if kv_transfer_params is not None:
-        json_format.ParseDict(kv_transfer_params, req.kv_transfer_params)
+        req.kv_transfer_params.CopyFrom(kv_transfer_to_proto(kv_transfer_from_dict(kv_transfer_params)))
     for key, value in kwargs.items():
         if value is None:
             continue

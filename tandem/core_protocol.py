@@ -81,6 +81,7 @@ class SchedulerReason(str, enum.Enum):
 
     KV_CACHE_TOO_SMALL = "kv_cache_too_small"
     EXCEEDS_MAX_MODEL_LEN = "exceeds_max_model_len"
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # a remote KV load was refused or failed (detail says why)
 
 
 class StopToken(msgspec.Struct, frozen=True, tag="token", array_like=True):
@@ -99,6 +100,7 @@ class SchedulerStop(msgspec.Struct, frozen=True, tag="scheduler", array_like=Tru
     """Ended by the scheduler (an ERROR finish): the request can never be scheduled."""
 
     reason: SchedulerReason
+    detail: str = ""  # what exactly went wrong (KV transfer failures)
 
 
 StopReason = Union[StopToken, StopSequence, SchedulerStop]
@@ -305,6 +307,17 @@ class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):
     state_checkpoints_used: int = 0  # registered (reusable) or pending (a save in flight)
     state_checkpoints_pending: int = 0  # held by requests whose save is not registered yet
     state_checkpoint_saves: int = 0  # checkpoints registered since start
+    # Disaggregated prefill/decode (engines with a --kv-role; zero otherwise).
+    kv_remote_tokens_loaded: int = 0  # prompt tokens whose KV a consumer pulled from a producer
+    kv_remote_blocks_pulled: int = 0  # blocks pulled, over every paged cache group
+    kv_remote_bytes_pulled: int = 0
+    kv_remote_load_seconds: float = 0.0  # summed over loads, plan to blocks written (bytes / this = GB/s)
+    kv_remote_loads: int = 0  # loads finished
+    kv_remote_load_failures: int = 0
+    kv_loading_requests: int = 0  # requests holding blocks while their KV is pulled
+    kv_leases_active: int = 0  # producer: prefills whose blocks wait for a decode leg's pull
+    kv_leases_granted: int = 0
+    kv_leases_expired: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -332,6 +345,8 @@ class CoreInfo(msgspec.Struct, kw_only=True):
     block_size: int
     kv_capacity_tokens: int
     enable_prefix_caching: bool
+    # The engine's KV transfer role: role, engine_id, transfer_address, transports (None: no role).
+    kv_transfer: dict[str, Any] | None = None
 
     def model_info(self) -> dict[str, Any]:
         """The MODEL_INFO utility's answer."""

@@ -7,6 +7,7 @@ Every error names the offending field so a client can fix its request.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from dataclasses import dataclass
@@ -184,17 +185,143 @@ FINISH_TO_PROTO = {
 }
 
 
-def kv_transfer_from_proto(msg: struct_pb2.Struct) -> KVTransferParams:
-    """The request's kv_transfer_params Struct as typed parameters; raises InvalidRequest."""
+# kv_transfer_params are echoed in the final reply; bounding them keeps every reply far below the
+# 16 MiB message limit (a reply's other parts are bounded by the context length). The same bound
+# applies to the `x-tandem-kv-transfer` header's JSON (gRPC's own metadata limit, 8 KiB by
+# default, usually refuses a larger header first).
+MAX_KV_TRANSFER_PARAMS_BYTES = 64 * 1024
+# The gRPC metadata header that carries the same parameters as `kv_transfer_params`, as one JSON
+# object with the same keys, for routers in a service mesh that do not parse request bodies.
+# When a request has both, the header wins: it replaces the body's parameters as a whole.
+KV_TRANSFER_HEADER = "x-tandem-kv-transfer"
+
+_KV_OPTIONAL_SCALARS = ("remote_engine_id", "remote_host", "remote_port", "remote_state_slot", "num_prompt_tokens",
+                        "first_token_id", "lease_id", "lease_expiry_unix", "remote_transport", "block_size")
+_KV_NON_NEGATIVE = ("remote_state_slot", "num_prompt_tokens", "first_token_id")
+
+
+def _check_kv_params(params: KVTransferParams, field: str) -> KVTransferParams:
+    """Range checks shared by the typed message and the header; raises InvalidRequest."""
+    if params.remote_port is not None and not 0 < params.remote_port < 65536:
+        raise InvalidRequest(f"{field}.remote_port", f"{params.remote_port} is not a port (1..65535)")
+    if params.block_size is not None and params.block_size < 1:
+        raise InvalidRequest(f"{field}.block_size", "must be >= 1")
+    for name in _KV_NON_NEGATIVE:
+        value = getattr(params, name)
+        if value is not None and value < 0:
+            raise InvalidRequest(f"{field}.{name}", "must be >= 0")
+    ids = list(params.remote_block_ids or [])
+    for group in params.remote_group_block_ids or []:
+        ids.extend(group)
+    if any(b < 0 for b in ids):
+        raise InvalidRequest(f"{field}.remote_block_ids", "block ids must be >= 0")
+    if params.lease_expiry_unix is not None and not math.isfinite(params.lease_expiry_unix):
+        raise InvalidRequest(f"{field}.lease_expiry_unix", "must be a finite number")
+    clash = sorted(set(params.extra) & set(KVTransferParams._NAMED))
+    if clash:
+        raise InvalidRequest(f"{field}.extra", f"{clash[0]!r} is a named field; set it directly")
+    return params
+
+
+def kv_transfer_from_proto(msg: common_pb2.KVTransferParams) -> KVTransferParams:
+    """The typed wire message as the core's `KVTransferParams`; raises InvalidRequest.
+
+    Unset optional fields and empty id lists become None, as in a params object built in Python."""
+    if msg.ByteSize() > MAX_KV_TRANSFER_PARAMS_BYTES:
+        raise InvalidRequest("kv_transfer_params", f"{msg.ByteSize()} bytes serialized; at most "
+                                                   f"{MAX_KV_TRANSFER_PARAMS_BYTES}")
+    fields: dict = {"do_remote_decode": msg.do_remote_decode, "do_remote_prefill": msg.do_remote_prefill}
+    for name in _KV_OPTIONAL_SCALARS:
+        if msg.HasField(name):
+            fields[name] = getattr(msg, name)
+    if msg.remote_block_ids:
+        fields["remote_block_ids"] = list(msg.remote_block_ids)
+    if msg.remote_group_block_ids:
+        fields["remote_group_block_ids"] = [list(g.block_ids) for g in msg.remote_group_block_ids]
+    if msg.HasField("extra"):
+        fields["extra"] = json_format.MessageToDict(msg.extra)
+    return _check_kv_params(KVTransferParams(**fields), "kv_transfer_params")
+
+
+def kv_transfer_to_proto(params: KVTransferParams) -> common_pb2.KVTransferParams:
+    """The core's `KVTransferParams` as the typed wire message."""
+    msg = common_pb2.KVTransferParams(do_remote_decode=params.do_remote_decode,
+                                      do_remote_prefill=params.do_remote_prefill)
+    for name in _KV_OPTIONAL_SCALARS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    if params.remote_block_ids:
+        msg.remote_block_ids.extend(params.remote_block_ids)
+    for group in params.remote_group_block_ids or []:
+        msg.remote_group_block_ids.add(block_ids=group)
+    if params.extra:
+        json_format.ParseDict(params.extra, msg.extra)
+    return msg
+
+
+def kv_transfer_from_header(value: str | bytes) -> KVTransferParams:
+    """The `x-tandem-kv-transfer` header's JSON object (the same keys as `kv_transfer_params`);
+    raises InvalidRequest naming the header."""
+    field = KV_TRANSFER_HEADER
+    if len(value) > MAX_KV_TRANSFER_PARAMS_BYTES:
+        raise InvalidRequest(field, f"{len(value)} bytes; at most {MAX_KV_TRANSFER_PARAMS_BYTES}")
     try:
-        return KVTransferParams.from_dict(json_format.MessageToDict(msg))
+        data = json.loads(value)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(field, f"not valid JSON ({exc})") from None
+    return kv_transfer_from_dict(data, field)
+
+
+def kv_transfer_from_dict(data: dict, field: str = "kv_transfer_params") -> KVTransferParams:
+    """Parameters from a JSON-like dict with the message's keys (unknown keys, or those under
+    "extra", land in `extra`); raises InvalidRequest naming `field`."""
+    if not isinstance(data, dict):
+        raise InvalidRequest(field, f"must be a JSON object, got {type(data).__name__}")
+    data = dict(data)
+    nested = data.pop("extra", None)  # the typed message's JSON form: unknown keys under "extra"
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise InvalidRequest(f"{field}.extra", "must be a JSON object")
+        data = {**nested, **data}
+    for name in ("do_remote_decode", "do_remote_prefill"):
+        if name in data and not isinstance(data[name], bool):
+            raise InvalidRequest(f"{field}.{name}", "must be true or false")
+    for name in ("remote_engine_id", "remote_host", "lease_id", "remote_transport"):
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise InvalidRequest(f"{field}.{name}", "must be a string")
+    try:
+        params = KVTransferParams.from_dict(data)
     except ValueError as exc:
-        raise InvalidRequest("kv_transfer_params", str(exc)) from None
+        raise InvalidRequest(field, str(exc)) from None
+    params = _check_kv_params(params, field)
+    try:
+        kv_transfer_to_proto(params)  # the wire's int32/int64 ranges
+    except (ValueError, TypeError, json_format.ParseError) as exc:
+        raise InvalidRequest(field, f"a value is out of range ({exc})") from None
+    return params
 
 
-def kv_transfer_to_proto(params: KVTransferParams) -> struct_pb2.Struct:
-    """Typed KV transfer parameters back as the wire's Struct."""
-    return to_struct(params.to_dict())
+def kv_transfer_from_metadata(metadata) -> KVTransferParams | None:
+    """The header's parameters from a call's invocation metadata ((key, value) pairs), or None
+    when the header is absent; raises InvalidRequest (also when it is given twice)."""
+    values = [v for k, v in (metadata or ()) if k == KV_TRANSFER_HEADER]
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidRequest(KV_TRANSFER_HEADER, f"given {len(values)} times; send one JSON object")
+    return kv_transfer_from_header(values[0])
+
+
+def kv_transfer_params_of(request, metadata) -> KVTransferParams | None:
+    """A request's transfer parameters: the `x-tandem-kv-transfer` header's when the call has
+    one (it wins, whole), else the message's `kv_transfer_params`, else None; raises InvalidRequest."""
+    from_header = kv_transfer_from_metadata(metadata)
+    if from_header is not None:
+        return from_header
+    if request.HasField("kv_transfer_params"):
+        return kv_transfer_from_proto(request.kv_transfer_params)
+    return None
 
 
 def to_struct(data: dict) -> struct_pb2.Struct:

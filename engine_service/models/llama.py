@@ -7,6 +7,9 @@ The variants differ only in a few switches read from the Hugging Face config:
 - Mistral: every layer attends over a sliding window (`sliding_window`); Qwen2/Qwen3 with
   `use_sliding_window`: the layers `layer_types` marks "sliding_attention" do.
 
+Families whose feed-forward block differs (mixture of experts: `models/qwen3_moe.py`) override
+`build_mlp`; the decoder layer takes whatever block it returns.
+
 The model declares its caches (`cache_layout`): one full-attention group and one group per
 distinct window; each layer reads its group's block table from the step metadata.
 

@@ -8,7 +8,14 @@ These are the roofline's denominators, written down before anything is timed:
 - It reads the K and V of every context token of every sequence in every layer (the new
   token's K/V included: it is written, then read back by attention) — in a sliding-window layer
   only the last `window` tokens', the only ones its query sees (and the kernel reads).
-- A prefill step does `2 x matmul weights` FLOPs per token in the decoder layers, the LM head
+- Mixture-of-experts layers (a config with `moe`, see `layers/moe.py`): the router (and a
+  shared expert) is read in full; of the routed experts a decode step of B tokens reads only
+  those some token picked. Routing is data-dependent, so the floor uses the expectation under
+  uniform routing: `E * (1 - (1 - k/E)^B)` distinct experts (k per token at B = 1, all E as B
+  grows). Real routers are skewed, so fewer experts are usually touched and the measured step
+  can beat this floor by that much; the floor is an expectation, not a strict bound.
+- A prefill step does `2 x matmul weights` FLOPs per token in the decoder layers (in MoE
+  layers the router, the shared expert and the k experts the token is routed to), the LM head
   only for the sampled (last) token of each sequence, and causal attention: `QK^T` and `PV`
   over the `L(L+1)/2` visible (query, key) pairs of a length-L sequence, per head (in a
   sliding-window layer, each query sees at most `window` keys).
@@ -19,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tandem.engine_service.layers.moe import MoeSpec, expected_distinct_experts
 from tandem.engine_service.models.llama import DecoderConfig
 
 
@@ -34,12 +42,46 @@ def shape_from_hf_config(hf: Mapping[str, Any]) -> DecoderConfig:
 
 
 def layer_matmul_params(s: DecoderConfig) -> int:
-    """Weights of one decoder layer that take part in matmuls (q, k, v, o, gate, up, down)."""
+    """Weights of one dense decoder layer that take part in matmuls (q, k, v, o, gate, up, down)."""
+    return attention_matmul_params(s) + 3 * s.hidden_size * s.intermediate_size
+
+
+def attention_matmul_params(s: DecoderConfig) -> int:
+    """q, k, v and o projections of one layer."""
     q = s.hidden_size * s.num_attention_heads * s.head_dim
     kv = 2 * s.hidden_size * s.num_key_value_heads * s.head_dim
     o = s.num_attention_heads * s.head_dim * s.hidden_size
-    mlp = 3 * s.hidden_size * s.intermediate_size
-    return q + kv + o + mlp
+    return q + kv + o
+
+
+def moe_spec(s: DecoderConfig) -> MoeSpec | None:
+    """The config's mixture-of-experts part, if it has one."""
+    return getattr(s, "moe", None)
+
+
+def _moe_parts(s: DecoderConfig, m: MoeSpec) -> tuple[int, int, int]:
+    """(router + shared expert params, params of one routed expert, number of sparse layers)."""
+    h = s.hidden_size
+    always = m.num_experts * h  # the router
+    if m.shared_expert_intermediate_size:
+        always += 3 * h * m.shared_expert_intermediate_size + h  # shared expert and its sigmoid gate
+    return always, 3 * h * m.moe_intermediate_size, sum(m.sparse_layers)
+
+
+def mlp_matmul_params(s: DecoderConfig, experts_read: float | None = None) -> float:
+    """Feed-forward matmul weights summed over all layers: dense layers in full; in sparse layers
+    the router, the shared expert and `experts_read` routed experts (None: all of them)."""
+    m = moe_spec(s)
+    dense = 3 * s.hidden_size * s.intermediate_size
+    if m is None:
+        return s.num_hidden_layers * dense
+    always, per_expert, sparse = _moe_parts(s, m)
+    experts = m.num_experts if experts_read is None else experts_read
+    return (s.num_hidden_layers - sparse) * dense + sparse * (always + experts * per_expert)
+
+
+def _all_matmul_params(s: DecoderConfig, experts_read: float | None = None) -> float:
+    return s.num_hidden_layers * attention_matmul_params(s) + mlp_matmul_params(s, experts_read)
 
 
 def layer_other_params(s: DecoderConfig) -> int:
@@ -62,7 +104,7 @@ def embedding_params(s: DecoderConfig) -> int:
 
 def total_params(s: DecoderConfig) -> int:
     """Every parameter once (a tied LM head is the embedding, not a second matrix)."""
-    layers = s.num_hidden_layers * (layer_matmul_params(s) + layer_other_params(s))
+    layers = int(_all_matmul_params(s)) + s.num_hidden_layers * layer_other_params(s)
     head = 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size
     return embedding_params(s) + layers + s.hidden_size + head  # + final norm
 
@@ -70,9 +112,18 @@ def total_params(s: DecoderConfig) -> int:
 # -- decode --------------------------------------------------------------------------------------
 
 
+def decode_experts_read(s: DecoderConfig, batch: int) -> float | None:
+    """Routed experts per sparse layer a decode step of `batch` tokens reads: the expectation
+    under uniform routing, `E * (1 - (1 - k/E)^batch)`; None for a dense model."""
+    m = moe_spec(s)
+    return None if m is None else expected_distinct_experts(m.num_experts, m.top_k, batch)
+
+
 def decode_weight_bytes(s: DecoderConfig, batch: int, dtype_bytes: int) -> int:
-    """Weight bytes one decode step of `batch` sequences reads from memory."""
-    layers = s.num_hidden_layers * (layer_matmul_params(s) + layer_other_params(s))
+    """Weight bytes one decode step of `batch` sequences reads from memory (MoE: only the
+    experts expected to be picked, see `decode_experts_read`)."""
+    matmul = _all_matmul_params(s, decode_experts_read(s, batch))
+    layers = round(matmul) + s.num_hidden_layers * layer_other_params(s)
     head = s.vocab_size * s.hidden_size  # the LM head is read in full (tied or not)
     embedding_rows = 0 if s.tie_word_embeddings else batch * s.hidden_size  # tied: inside the head
     return (layers + s.hidden_size + head + embedding_rows) * dtype_bytes
@@ -126,7 +177,9 @@ def prefill_flops(s: DecoderConfig, seq_lens: Iterable[int], num_sampled: int | 
     lens = [int(n) for n in seq_lens]
     tokens = sum(lens)
     sampled = len(lens) if num_sampled is None else num_sampled
-    linear = 2 * s.num_hidden_layers * layer_matmul_params(s) * tokens
+    m = moe_spec(s)
+    per_token = _all_matmul_params(s, None if m is None else m.top_k)  # a token runs its k experts
+    linear = 2 * int(per_token) * tokens
     head = 2 * s.vocab_size * s.hidden_size * sampled
     attention = sum(causal_attention_flops(s, n) for n in lens)
     return {"linear": linear, "lm_head": head, "attention": attention, "total": linear + head + attention,

@@ -174,16 +174,23 @@ def add_bench_parser(sub: Any) -> None:
     g.add_argument("--prefill-caps", type=_caps, default=[0, 512],
                    help="--max-prefill-tokens-per-seq of each run; 0 = no cap, the scheduler before fair "
                         "prefill (default: 0,512)")
-    g.add_argument("--mixed-decode-streams", type=int, default=32, help="closed-loop decode streams")
-    g.add_argument("--mixed-decode-output-len", type=int, default=512)
-    g.add_argument("--mixed-long-prompts", type=int, default=8)
-    g.add_argument("--mixed-long-prompt-len", type=int, default=8000, help="clipped to the model's context")
-    g.add_argument("--mixed-long-interval", type=float, default=2.0, help="seconds between long prompts")
-    g.add_argument("--mixed-short-requests", type=int, default=40)
-    g.add_argument("--mixed-short-prompt-len", type=int, default=32)
-    g.add_argument("--mixed-short-interval", type=float, default=0.4, help="seconds between short requests")
-    g.add_argument("--mixed-seconds", type=float, default=180.0, help="time limit of each run")
+    _mixed_traffic_args(g)
     srv.set_defaults(fn=cmd_bench, bench_fn=_serve)
+
+    dis = bsub.add_parser("disagg", help="one engine vs a prefill + a decode engine on the same device, under the "
+                                         "mixed workload (long prompts arriving during decode traffic)")
+    _common(dis, "dummy:qwen3-8b", 900.0)
+    g = dis.add_argument_group("disaggregated vs one engine")
+    g.add_argument("--single-kv-blocks", type=int, default=None,
+                   help="the single engine's --num-kv-blocks (default: 2 x --num-kv-blocks, what the two "
+                        "engines hold together)")
+    g.add_argument("--shapes", type=lambda text: [x for x in text.split(",") if x], default=["single", "disaggregated"],
+                   help="which shapes to run, comma-separated (default: single,disaggregated)")
+    g.add_argument("--startup-timeout", type=float, default=600.0)
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory for the frontend (default: the model's, or a word-level stand-in)")
+    _mixed_traffic_args(dis.add_argument_group("mixed workload"))
+    dis.set_defaults(fn=cmd_bench, bench_fn=_disagg)
 
     soak = bsub.add_parser("soak", help="random cancels, aborts, deadlines, n>1, stops and bad inputs, then a leak check")
     _common(soak, "smollm2-135m-instruct", 3600.0)
@@ -244,6 +251,19 @@ def add_bench_parser(sub: Any) -> None:
     rep.add_argument("--markdown", default="docs/benchmarks.md")
     rep.add_argument("--plot", default="docs/benchmarks_decode.png")
     rep.set_defaults(fn=cmd_report)
+
+
+def _mixed_traffic_args(g: Any) -> None:
+    """The mixed workload's traffic flags (`serve --mixed` and `disagg`)."""
+    g.add_argument("--mixed-decode-streams", type=int, default=32, help="closed-loop decode streams")
+    g.add_argument("--mixed-decode-output-len", type=int, default=512)
+    g.add_argument("--mixed-long-prompts", type=int, default=8)
+    g.add_argument("--mixed-long-prompt-len", type=int, default=8000, help="clipped to the model's context")
+    g.add_argument("--mixed-long-interval", type=float, default=2.0, help="seconds between long prompts")
+    g.add_argument("--mixed-short-requests", type=int, default=40)
+    g.add_argument("--mixed-short-prompt-len", type=int, default=32)
+    g.add_argument("--mixed-short-interval", type=float, default=0.4, help="seconds between short requests")
+    g.add_argument("--mixed-seconds", type=float, default=180.0, help="time limit of each run")
 
 
 def _workload_args(g: Any) -> None:
@@ -339,18 +359,34 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
     return serve.short_table
 
 
-def _mixed(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+def _mixed_options(args: argparse.Namespace, prefill_caps: list[int]) -> Any:
     from tandem.bench import mixed
 
-    options = mixed.MixedOptions(
-        prefill_caps=args.prefill_caps, decode_streams=args.mixed_decode_streams,
+    return mixed.MixedOptions(
+        prefill_caps=prefill_caps, decode_streams=args.mixed_decode_streams,
         decode_output_len=args.mixed_decode_output_len, num_long=args.mixed_long_prompts,
         long_prompt_len=args.mixed_long_prompt_len, long_interval_s=args.mixed_long_interval,
         num_short=args.mixed_short_requests, short_prompt_len=args.mixed_short_prompt_len,
         short_interval_s=args.mixed_short_interval, run_seconds=args.mixed_seconds,
         startup_timeout=args.startup_timeout, tokenizer=args.tokenizer)
+
+
+def _mixed(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import mixed
+
+    options = _mixed_options(args, args.prefill_caps)
     mixed.run_mixed(record, engine_config_from_args(args), engine_argv(engine_config_from_args(args)), options, deadline)
     return mixed.short_table
+
+
+def _disagg(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import disagg
+
+    config = engine_config_from_args(args)
+    options = disagg.DisaggOptions(traffic=_mixed_options(args, []), single_kv_blocks=args.single_kv_blocks,
+                                   shapes=args.shapes)
+    disagg.run_disagg(record, config, engine_argv(config), options, deadline)
+    return disagg.short_table
 
 
 def _soak(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:

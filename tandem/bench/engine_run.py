@@ -180,10 +180,12 @@ def reset_prefix_cache(engine: Any) -> bool:
     return bool(fn()) if callable(fn) else False
 
 
-def warm_up(engine: Any, requests: SequenceOf[BenchRequest], deadline: Deadline | None = None) -> dict[str, Any]:
-    """Run short requests first (kernel compilation, graph capture, allocator growth happen here)."""
+def warm_up(engine: Any, requests: SequenceOf[BenchRequest], deadline: Deadline | None = None,
+            concurrency: int | None = None) -> dict[str, Any]:
+    """Run short requests first (kernel compilation, graph capture, allocator growth happen here),
+    all at once or `concurrency` at a time."""
     t0 = time.perf_counter()
-    result = run_engine(engine, requests, deadline=deadline, id_prefix="warmup")
+    result = run_engine(engine, requests, concurrency=concurrency, deadline=deadline, id_prefix="warmup")
     reset_prefix_cache(engine)
     return {"requests": len(requests), "seconds": round(time.perf_counter() - t0, 3),
             "timed_out": result.timed_out}

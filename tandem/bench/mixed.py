@@ -25,6 +25,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,7 +184,9 @@ def run_mixed(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
 
 
 def _one_cap(serve_args: list[str], cap: int, opts: MixedOptions, decode: list[BenchRequest],
-             longs: list[BenchRequest], shorts: list[BenchRequest], deadline: Deadline, log_path: Path) -> dict:
+             longs: list[BenchRequest], shorts: list[BenchRequest], deadline: Deadline, log_path: Path,
+             after: Callable[[str], None] | None = None) -> dict:
+    """One `tandem serve` with `serve_args` under the traffic; `after(address)` runs before it stops."""
     server = ServeProcess(serve_args, log_path)
     try:
         startup_s = server.wait_serving(min(opts.startup_timeout, max(deadline.remaining(), 1.0)))
@@ -194,6 +197,8 @@ def _one_cap(serve_args: list[str], cap: int, opts: MixedOptions, decode: list[B
         budget = MixedOptions(**{**asdict(opts), "run_seconds": min(opts.run_seconds, max(deadline.remaining(), 1.0))})
         run = asyncio.run(_traffic(server.address, budget, decode, longs, shorts, f"cap{cap}"))
         run.pop("window_end")
+        if after is not None:
+            after(server.address)
         log.info("mixed run", prefill_cap=cap, itl_p99_ms=run["decode_itl_ms"]["p99"],
                  short_ttft_p99_ms=run["short_ttft_ms"]["p99"])
         return {"prefill_cap": cap, "engine_prefill_cap": engine_cap, "startup_s": round(startup_s, 2), **run}

@@ -282,6 +282,10 @@ def _headline(data: dict[str, Any]) -> str:
         if cost:
             parts.append(f"no-reuse cost {_num(100 * cost.get('output_tokens_per_s', 0), '.2f', ' %')}")
         return ", ".join(parts) or "no figure"
+    if kind == "disagg":
+        runs = {r.get("shape"): r for r in (res.get("disagg") or {}).get("runs", [])}
+        p99 = [_num((runs.get(k) or {}).get("decode_itl_ms", {}).get("p99")) for k in ("single", "disaggregated")]
+        return f"ITL p99 {p99[0]} ms single, {p99[1]} ms disaggregated"
     levels = [lv for lv in res.get("levels", []) if lv.get("served", {}).get("output_tokens_per_s")]
     return f"{len(levels)} levels"
 

@@ -11,7 +11,8 @@
 3. Decode: one new token per sequence at each (batch, context) point, timed through
    `StepWorker.execute` (host inputs from the rows + forward + logits; CUDA-graph replay when
    the runner does it). Floor = (weight bytes + KV bytes) / measured bandwidth (`accounting.py`;
-   windowed layers count only the window's K/V).
+   windowed layers count only the window's K/V; MoE layers only the routed experts a batch is
+   expected to touch under uniform routing, `E(1-(1-k/E)^B)`).
 4. Prefill: one batch of fresh sequences (e.g. 8 x 1024 = 8k tokens); MFU = FLOPs / time /
    measured matmul rate.
 
@@ -21,6 +22,7 @@ with sequences sharing blocks and flagged: the floor then counts bytes that cach
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -34,6 +36,7 @@ import torch
 
 from tandem.bench.accounting import (
     shape_from_hf_config,
+    decode_experts_read,
     decode_floor_s,
     decode_kv_bytes,
     decode_weight_bytes,
@@ -350,7 +353,7 @@ def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptio
         res["runner"]["build_s"] = round(time.monotonic() - t0, 2)
         built = module_param_count(runner.model)
         res["accounting"] = {
-            "shape": vars(shape),
+            "shape": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in vars(shape).items()},
             "dtype_bytes": dtype_bytes,
             "params_from_config": total_params(shape),
             "params_in_module": built,
@@ -392,6 +395,9 @@ def _decode_point(worker: Any, shape: DecoderConfig, dtype_bytes: int, batch: in
     weight_bytes = decode_weight_bytes(shape, batch, dtype_bytes)
     kv_bytes = decode_kv_bytes(shape, batch, context, dtype_bytes)
     point = _point_base(batch=batch, context=context, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+    experts = decode_experts_read(shape, batch)
+    if experts is not None:  # MoE: the floor counts these routed experts per sparse layer
+        point["experts_read_per_layer"] = round(experts, 2)
     if bandwidth:
         point["floor_ms"] = decode_floor_s(weight_bytes, kv_bytes, bandwidth) * 1e3
     if context > max_len:

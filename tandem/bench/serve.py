@@ -228,8 +228,15 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
     # all at once: Triton compiles each new prefill shape on first use (about a second),
     # and whichever side met a shape first would otherwise pay for the others (its on-disk cache).
     # As many as the highest level runs at once, so the batch shapes of every level are met too.
-    warm = warmup_requests(vocab, max(options.warmup_requests, max(options.concurrencies)),
-                           warmup_prompt_lens(workload.requests))
+    # Then one pass per level at that level's concurrency: arrivals staggered by finishing
+    # requests give the mixed prefill + decode steps of the measured run, whose kernel shapes
+    # the all-at-once pass does not meet (at 3df50f2-fc06df2 the first measured level of the
+    # first side still paid a ~1.7 s compile stall: TTFT max 1.7 s served vs 0.1 s in-process).
+    lens = warmup_prompt_lens(workload.requests)
+    warm: list[tuple[list[BenchRequest], int]] = [
+        (warmup_requests(vocab, max(options.warmup_requests, max(options.concurrencies)), lens), 0)]
+    warm += [(warmup_requests(vocab, 2 * c, lens, output_len=16, seed=i + 1), c)
+             for i, c in enumerate(sorted(set(options.concurrencies)))]
 
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-serve-"))
     try:
@@ -272,7 +279,7 @@ def _levels_within_budget(record: BenchRecord, levels: list[dict[str, Any]], sli
 
 
 def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list[BenchRequest]],
-                   warm: list[BenchRequest], options: ServeOptions, deadline: Deadline, log_dir: Path,
+                   warm: list[tuple[list[BenchRequest], int]], options: ServeOptions, deadline: Deadline, log_dir: Path,
                    stack: dict[str, Any], label: str | None = None) -> None:
     """One served stack's levels: the primary (`label` None) fills `level["served"]` and
     `res["server"]`; another fills `level["served_stacks"][label]` and `res["servers"][label]`."""
@@ -312,10 +319,14 @@ def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list
                 return
         with record.stage(f"serve_warmup{tag}"):
             t0 = time.perf_counter()
-            w = run_level(server.address, warm, max(len(warm), procs),
-                          deadline.sub(seconds=options.level_seconds).remaining(), prefix="warmup",
-                          worker_pids=worker_pids, clients=clients)
-            info["warmup"] = {"seconds": round(time.perf_counter() - t0, 3), "completed": w["completed"]}
+            completed = 0
+            for i, (requests, c) in enumerate(warm):
+                w = run_level(server.address, requests, max(c or len(requests), procs),
+                              deadline.sub(seconds=options.level_seconds).remaining(), prefix=f"warmup{i}",
+                              worker_pids=worker_pids, clients=clients)
+                completed += w["completed"]
+            info["warmup"] = {"seconds": round(time.perf_counter() - t0, 3), "completed": completed,
+                              "passes": len(warm)}
         # Every stack and the in-process side share what is left of the budget.
         sides = 1 + len(options.also_stacks) + (1 if options.in_process else 0)
         for level, requests, c in _levels_within_budget(record, levels, slices, "served", deadline, label):
@@ -365,7 +376,8 @@ def _engine_delta(before: dict | None, after: dict | None, elapsed_s: float) -> 
 
 
 def _in_process_levels(record: BenchRecord, engine_config: Any, slices: list[list[BenchRequest]],
-                       warm: list[BenchRequest], options: ServeOptions, deadline: Deadline) -> None:
+                       warm: list[tuple[list[BenchRequest], int]], options: ServeOptions,
+                       deadline: Deadline) -> None:
     from tandem.bench.engine_run import reset_prefix_cache, run_engine, warm_up
     from tandem.bench.hf_peer import release_device_memory
     from tandem.engine_service.engine import LLMEngine
@@ -375,8 +387,9 @@ def _in_process_levels(record: BenchRecord, engine_config: Any, slices: list[lis
     with record.stage("in_process_build"):
         t0 = time.monotonic()
         engine = LLMEngine(engine_config)
-        res["in_process_engine"] = {"build_s": round(time.monotonic() - t0, 2),
-                                    "warmup": warm_up(engine, warm, deadline.sub(seconds=options.level_seconds))}
+        res["in_process_engine"] = {"build_s": round(time.monotonic() - t0, 2), "warmup": [
+            warm_up(engine, requests, deadline.sub(seconds=options.level_seconds), concurrency=c or None)
+            for requests, c in warm]}
     if engine is None:
         return
     try:

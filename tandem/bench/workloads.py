@@ -167,12 +167,13 @@ def make_workload(
 
 
 def warmup_requests(vocab_size: int, count: int, prompt_len: int | Sequence[int] = 32,
-                    output_len: int = 8) -> list[BenchRequest]:
+                    output_len: int = 8, seed: int = 0) -> list[BenchRequest]:
     """Short requests from their own seed, so they share no prefix with any workload request
     (a shared prefix would turn the measured run's prefill into prefix-cache hits). With several
     `prompt_len`s the requests cycle through them, so the prefill shapes a workload will meet are
-    compiled before anything is timed."""
-    rng = np.random.default_rng(np.random.SeedSequence([0xBE, 0x7C, 0x4]))
+    compiled before anything is timed. Different `seed`s give different prompts (a second warm-up
+    pass with the same prompts would hit the prefix cache and compile nothing)."""
+    rng = np.random.default_rng(np.random.SeedSequence([0xBE, 0x7C, 0x4, seed]))
     lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
     return [BenchRequest(rng.integers(0, vocab_size, size=lens[i % len(lens)]).tolist(), output_len)
             for i in range(count)]

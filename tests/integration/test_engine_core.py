@@ -4,6 +4,7 @@ reads does not slow the core's steps; kv_transfer_params travel through the core
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -12,10 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.client import TandemClient
+from tandem.client import TandemClient, build_request
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 ENGINE_SERVICE = "tandem.v1.Engine"
@@ -162,27 +162,48 @@ def test_slow_consumer_does_not_slow_the_core(launch_serve):
 
 
 def test_kv_transfer_params_round_trip_through_the_core(serve):
+    """Typed parameters an engine without a KV role does not act on travel through its core and
+    come back unchanged; the `x-tandem-kv-transfer` header replaces the body's, whole."""
     channel = grpc.insecure_channel(serve["engine"])
     stub = engine_pb2_grpc.EngineStub(channel)
-    params = struct_pb2.Struct()
-    params.update({"do_remote_decode": True, "remote_engine_id": "prefill-0", "remote_block_ids": [4, 5, 6],
-                   "remote_host": "10.1.2.3", "remote_port": 5600, "transfer_id": "t-1", "nested": {"a": [1, "b"]}})
+    params = common_pb2.KVTransferParams(remote_engine_id="prefill-0", remote_block_ids=[4, 5, 6],
+                                         remote_host="10.1.2.3", remote_port=5600, lease_id="l-1",
+                                         lease_expiry_unix=1.75e9)
+    params.remote_group_block_ids.add(block_ids=[4, 5, 6])
+    params.extra.update({"transfer_id": "t-1", "nested": {"a": [1, "b"]}})
     req = _request("kv-stream", 3)
     req.kv_transfer_params.CopyFrom(params)
     msgs = list(stub.Stream(req))
     assert all(not m.HasField("kv_transfer_params") for m in msgs[:-1])
-    assert msgs[-1].kv_transfer_params == params  # typed in the core, back as the same Struct
+    assert msgs[-1].kv_transfer_params == params  # typed in the core, back as the same message
     req.request_id = "kv-generate"
     assert stub.Generate(req).kv_transfer_params == params
+    req.request_id = "kv-header"
+    header = (("x-tandem-kv-transfer", json.dumps({"remote_engine_id": "from-header", "k": "v"})),)
+    got = stub.Generate(req, metadata=header).kv_transfer_params
+    assert got.remote_engine_id == "from-header" and not got.remote_block_ids and dict(got.extra) == {"k": "v"}
     plain = stub.Generate(_request("kv-none", 2))
     assert not plain.HasField("kv_transfer_params")
     bad = _request("kv-bad", 2)
-    bad.kv_transfer_params.update({"remote_port": "not a port"})
+    bad.kv_transfer_params.remote_port = 0
     with pytest.raises(grpc.RpcError) as err:
         stub.Generate(bad)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_transfer_params" in err.value.details()
-    # Through the frontend too: it passes them on untouched and returns the engine's copy.
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_transfer_params.remote_port" in err.value.details()
+    for value in ("not json", "[1]", json.dumps({"remote_port": "x"})):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(_request("kv-bad-header", 2), metadata=(("x-tandem-kv-transfer", value),))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("x-tandem-kv-transfer"), err.value.details()
+    # Through the frontend too: it passes them on and returns the engine's copy.
     with TandemClient(serve["frontend"]) as c:
-        reply = c.generate("Hello", max_tokens=2, kv_transfer_params={"do_remote_prefill": True, "x": "y"})
-    assert dict(reply.kv_transfer_params) == {"do_remote_prefill": True, "x": "y"}
+        reply = c.generate("Hello", max_tokens=2, kv_transfer_params={"remote_engine_id": "e", "x": "y"})
+        assert reply.kv_transfer_params.remote_engine_id == "e" and dict(reply.kv_transfer_params.extra) == {"x": "y"}
+        # The frontend reads the header too, and it wins over the body.
+        req = build_request(prompt="Hello", max_tokens=2, kv_transfer_params={"remote_engine_id": "body"})
+        got = c.stub.Generate(req, metadata=header, timeout=30).kv_transfer_params
+        assert got.remote_engine_id == "from-header" and dict(got.extra) == {"k": "v"}
+        with pytest.raises(grpc.RpcError) as err:
+            c.stub.Generate(req, metadata=(("x-tandem-kv-transfer", '{"block_size": 0}'),), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == "x-tandem-kv-transfer.block_size: must be >= 1"
     channel.close()

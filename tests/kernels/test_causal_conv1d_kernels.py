@@ -25,6 +25,15 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DIM, WIDTH = 40, 4  # 40 channels: not a power of two, so the channel mask matters
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster than several fighting over a shared box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 

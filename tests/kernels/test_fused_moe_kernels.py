@@ -72,6 +72,19 @@ def test_fused_matches_per_expert_loop(n: int, k: int, dtype: torch.dtype) -> No
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("units", [1, 20, 10_000], ids=["tile64", "tile32", "tile16"])
+def test_narrow_column_tiles(monkeypatch, units: int) -> None:
+    """Small batches on a large GPU get narrower column tiles (more programs); all widths agree."""
+    from tandem.kernels import fused_moe as module
+
+    monkeypatch.setattr(module, "num_compute_units", lambda device: units)
+    n, e, k, hd, inter = 2, 16, 8, 96, 80
+    assert module._block_n(min(e, n * k), inter, torch.device("cpu")) == {1: 64, 20: 32, 10_000: 16}[units]
+    x, w_gate_up, w_down, weights, ids = make_inputs(n, e, k, hd, inter, torch.float32, seed=5)
+    out = fused_moe(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(out, naive_moe(x, w_gate_up, w_down, weights, ids).float(), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("n", [1, 5, 37])
 def test_experts_without_tokens(n: int) -> None:
     e, k = 32, 2
@@ -205,3 +218,24 @@ def test_layer_matches_transformers(kind: str, fused: bool, n: int) -> None:
         with torch.no_grad():
             ours.shared_expert.down_proj.weight.zero_()
         assert (ours(x) - ref).abs().max() > 1e-2
+
+
+def test_gpu_check_moe_section_on_cpu(monkeypatch) -> None:
+    """`gpu_check`'s moe cases, shrunk and interpreted: they check the kernel against the twin
+    and count the selected experts' weight bytes."""
+    from tandem.kernels import gpu_check
+
+    monkeypatch.setitem(gpu_check.QWEN3_MOE, "experts", 8)
+    monkeypatch.setitem(gpu_check.QWEN3_MOE, "top_k", 2)
+    monkeypatch.setitem(gpu_check.QWEN3_MOE, "hidden", 64)
+    monkeypatch.setitem(gpu_check.QWEN3_MOE, "inter", 32)
+    cases = list(gpu_check._moe_cases(True, torch.device("cpu"), torch.Generator().manual_seed(0)))
+    assert [c.params["tokens"] for c in cases] == [1, 256, 4096]
+    for case in cases:
+        case.prepare()
+        case.run()
+        ((_, out, ref),) = case.compare()
+        assert not out.isnan().any() and gpu_check._rel_err(out, ref) <= gpu_check.TOLERANCE
+        distinct = case.params["distinct_experts"]
+        assert (distinct == 2) if case.params["tokens"] == 1 else (distinct == 8)
+        assert case.bytes_moved > distinct * 3 * 64 * 32 * 2

@@ -379,3 +379,64 @@ def test_clean_prompt_context_is_its_last_few_tokens(smol: TextTokenizer) -> Non
     # The last few tokens decode to clean text, so they are the whole context: one decode to
     # check them, one for the context's text.
     assert counting.lengths == [_PROMPT_CONTEXT_TOKENS, _PROMPT_CONTEXT_TOKENS]
+
+
+def _byte_ids(sp_tok: TextTokenizer, data: bytes) -> list[int]:
+    """The byte-fallback tokens `<0xNN>` spelling `data` byte by byte."""
+    return [sp_tok.hf_tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in data]
+
+
+@pytest.mark.parametrize("shape", ["clean_six_back", "clean_only_whole"])
+def test_prompt_context_reaches_back_to_the_first_clean_start(sp_tok: TextTokenizer, shape: str) -> None:
+    # Prompts longer than the default context whose last few tokens start inside a character
+    # (the emoji is spelled as four byte tokens) and end in skipped special tokens, so no short
+    # suffix is clean context. The context must reach back to where the text is clean; with
+    # too little context (none, or just the trailing special token) the Strip decoder drops
+    # the output's leading space.
+    eos = sp_tok.hf_tokenizer.convert_tokens_to_ids("</s>")
+    emoji = _byte_ids(sp_tok, "🙂".encode())
+    if shape == "clean_six_back":  # suffixes of 1..5 tokens unclean, of 6 clean: 7 tokens
+        prompt = [*sp_tok.encode("Hi", add_special_tokens=False)[:1], *emoji, eos, eos]
+        assert len(prompt) == 7
+    else:  # 6 tokens, the last 5 start inside the emoji, the whole prompt is clean
+        prompt = [*emoji, sp_tok.encode("Hello", add_special_tokens=False)[0], eos]
+        assert len(prompt) == 6
+    assert len(prompt) > _PROMPT_CONTEXT_TOKENS
+    unclean = range(1, _PROMPT_CONTEXT_TOKENS + 1) if shape == "clean_six_back" else [_PROMPT_CONTEXT_TOKENS]
+    for n in unclean:
+        suffix = sp_tok.decode(prompt[-n:])
+        assert not suffix or suffix.startswith(FFFD)
+    assert not sp_tok.decode(prompt[-6:]).startswith(FFFD)
+    out = sp_tok.encode("there world", add_special_tokens=False)
+    prompt_text, full = sp_tok.decode(prompt), sp_tok.decode(prompt + out)
+    expected = full[len(prompt_text) :]
+    assert expected == " there world"
+    for n in (1, 3):
+        detok = IncrementalDetokenizer(sp_tok, prompt)
+        assert "".join(detok.push(out[i : i + n]) for i in range(0, len(out), n)) + detok.flush() == expected
+
+
+def test_giving_up_keeps_a_complete_character_before_a_broken_run(sp_tok: TextTokenizer) -> None:
+    # "A" as a byte token followed by a run of bytes that never forms a character: byte fallback
+    # decodes the whole run, "A" included, as U+FFFDs. When the detokenizer gives up holding
+    # (more than _MAX_HELD_TOKENS unread), it tries every held boundary first, so "A" (the first
+    # one) goes out intact and only the broken run becomes U+FFFD.
+    a, broken = _byte_ids(sp_tok, b"A"), _byte_ids(sp_tok, b"\xf0" + b"\x80" * 15)
+    assert sp_tok.decode(a + broken) == FFFD * 17  # the garbling this guards against
+    detok = IncrementalDetokenizer(sp_tok)
+    assert detok.push(a + broken) == "A"
+    assert detok.flush() == sp_tok.decode(broken)
+    assert detok.text == "A" + FFFD * 16
+
+
+def test_two_token_push_ending_mid_character_emits_its_first_token(sp_tok: TextTokenizer) -> None:
+    # The only clean boundary of the push is right after its first token (the read position):
+    # it is emitted at once rather than held with the incomplete character.
+    prompt = sp_tok.encode("Hi", add_special_tokens=False)
+    word = sp_tok.encode("Hello", add_special_tokens=False)
+    assert len(word) == 1
+    emoji = _byte_ids(sp_tok, "🙂".encode())
+    detok = IncrementalDetokenizer(sp_tok, prompt)
+    assert detok.push([word[0], emoji[0]]) == " Hello"
+    assert detok.push(emoji[1:]) + detok.flush() == "🙂"
+    assert detok.text == sp_tok.decode(prompt + word + emoji)[len(sp_tok.decode(prompt)) :]

@@ -212,16 +212,32 @@ def test_prefix_cache_hit_matches_transformers(checkpoint) -> None:
 
 def test_triton_op_set_matches_transformers(checkpoint) -> None:
     """The fused op set (fused_moe and the merged router GEMM, interpreted on CPU) through the
-    engine: mixed prefill/decode batches, then decode."""
+    engine: mixed prefill/decode batches, then decode through the CUDA-graph runner's fixed,
+    padded buffers (run eagerly here: padding rows are routed through the experts too and must
+    not disturb the real rows)."""
+    from tandem.engine_service.cuda_graphs import DecodeCudaGraphs
+
     hf, path = checkpoint
     steps = 6  # the interpreter is slow
-    prompts = [PROMPTS[3], PROMPTS[1]]
+    prompts = [PROMPTS[3], PROMPTS[1], PROMPTS[0]]
     engine = make_engine(path, budget=8, backend="triton")
-    assert engine.runner.attention_backend == "triton"
-    assert all(m.fused for m in engine.runner.model.modules() if isinstance(m, SparseMoeBlock))
+    runner = engine.runner
+    assert runner.attention_backend == "triton"
+    assert all(m.fused for m in runner.model.modules() if isinstance(m, SparseMoeBlock))
+    graphs = DecodeCudaGraphs(
+        runner.model, runner.kv_caches, sizes=[1, 2, 4], block_size=BLOCK_SIZE,
+        max_blocks_per_seq=runner.max_model_len // BLOCK_SIZE, scratch_block=runner.scratch_block,
+        num_kv_heads=2, device=torch.device("cpu"), capture_graphs=False,
+    )
+    graphs.capture()
+    runner.cuda_graphs = graphs
+    graph_calls: list[int] = []
+    original = graphs.run
+    graphs.run = lambda host, *a: graph_calls.append(host.num_seqs) or original(host, *a)
     run = Run(engine, prompts, steps=steps)
     for p, tokens, logprobs in zip(prompts, run.tokens, run.logprobs):
         assert_matches_hf(hf, p, tokens, logprobs, steps=steps)
+    assert 3 in graph_calls, "a 3-row decode ran padded to the 4-row buffers"
 
 
 def test_stacked_expert_checkpoint_loads(checkpoint, tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-from google.protobuf import struct_pb2
 
 from tandem.frontend.request_builder import (
     MAX_KV_TRANSFER_PARAMS_BYTES,
@@ -188,12 +187,17 @@ def test_oversized_kv_transfer_params_are_refused_at_the_door(builder):
     """Failure 6: kv_transfer_params above the documented bound are INVALID_ARGUMENT before any
     work (before: the request ran and its echoed reply broke the 16 MiB message limit)."""
     big = request(prompt="Hi")
-    big.kv_transfer_params.update({"blob": "x" * (MAX_KV_TRANSFER_PARAMS_BYTES + 1)})
+    big.kv_transfer_params.extra.update({"blob": "x" * (MAX_KV_TRANSFER_PARAMS_BYTES + 1)})
     with pytest.raises(InvalidRequest) as err:
         builder.check_request(big)
     assert err.value.field == "kv_transfer_params"
     small = request(prompt="Hi")
-    small.kv_transfer_params.update({"remote_host": "10.0.0.1", "remote_block_ids": [1, 2, 3]})
+    small.kv_transfer_params.remote_host = "10.0.0.1"
+    small.kv_transfer_params.remote_block_ids.extend([1, 2, 3])
     builder.check_request(small)
-    assert isinstance(small.kv_transfer_params, struct_pb2.Struct)
+    bad_port = request(prompt="Hi")
+    bad_port.kv_transfer_params.remote_port = 70000
+    with pytest.raises(InvalidRequest) as err:
+        builder.check_request(bad_port)
+    assert err.value.field == "kv_transfer_params.remote_port"
     assert not math.isnan(MAX_KV_TRANSFER_PARAMS_BYTES)

@@ -120,6 +120,46 @@ class Timings(_message.Message):
     queue: float
     def __init__(self, ttft: _Optional[float] = ..., tpot: _Optional[float] = ..., latency: _Optional[float] = ..., queue: _Optional[float] = ...) -> None: ...
 
+class KVTransferParams(_message.Message):
+    __slots__ = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_group_block_ids", "remote_state_slot", "num_prompt_tokens", "first_token_id", "lease_id", "lease_expiry_unix", "remote_transport", "block_size", "extra")
+    DO_REMOTE_DECODE_FIELD_NUMBER: _ClassVar[int]
+    DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HOST_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PORT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    remote_engine_id: str
+    remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    remote_host: str
+    remote_port: int
+    remote_group_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    remote_state_slot: int
+    num_prompt_tokens: int
+    first_token_id: int
+    lease_id: str
+    lease_expiry_unix: float
+    remote_transport: str
+    block_size: int
+    extra: _struct_pb2.Struct
+    def __init__(self, do_remote_decode: _Optional[bool] = ..., do_remote_prefill: _Optional[bool] = ..., remote_engine_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., remote_group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_state_slot: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix: _Optional[float] = ..., remote_transport: _Optional[str] = ..., block_size: _Optional[int] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class BlockIds(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class UtilityRequest(_message.Message):
     __slots__ = ("command", "request_id", "args")
     COMMAND_FIELD_NUMBER: _ClassVar[int]

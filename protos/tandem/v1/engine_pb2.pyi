@@ -1,4 +1,3 @@
-from google.protobuf import struct_pb2 as _struct_pb2
 from tandem.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -44,9 +43,9 @@ class EngineRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     stop_token_sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
-    kv_transfer_params: _struct_pb2.Struct
+    kv_transfer_params: _common_pb2.KVTransferParams
     channel_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., kv_transfer_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., channel_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KVTransferParams, _Mapping]] = ..., channel_id: _Optional[str] = ...) -> None: ...
 
 class EngineResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "stop_token_id", "stop_sequence_index", "usage", "timings", "kv_transfer_params", "error")
@@ -68,6 +67,6 @@ class EngineResponse(_message.Message):
     stop_sequence_index: int
     usage: _common_pb2.Usage
     timings: _common_pb2.Timings
-    kv_transfer_params: _struct_pb2.Struct
+    kv_transfer_params: _common_pb2.KVTransferParams
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_sequence_index: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_sequence_index: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KVTransferParams, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...

@@ -1,4 +1,3 @@
-from google.protobuf import struct_pb2 as _struct_pb2
 from tandem.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -39,12 +38,12 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str_in_output: bool
     n: int
-    kv_transfer_params: _struct_pb2.Struct
+    kv_transfer_params: _common_pb2.KVTransferParams
     skip_special_tokens: bool
     model: str
     add_generation_prompt: bool
     return_prompt_token_ids: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., kv_transfer_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., model: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KVTransferParams, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., model: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
 
 class Choice(_message.Message):
     __slots__ = ("index", "text", "token_ids", "finish_reason", "stop_str", "stop_token_id", "logprobs")
@@ -77,10 +76,10 @@ class GenerateResponse(_message.Message):
     choices: _containers.RepeatedCompositeFieldContainer[Choice]
     usage: _common_pb2.Usage
     timings: _common_pb2.Timings
-    kv_transfer_params: _struct_pb2.Struct
+    kv_transfer_params: _common_pb2.KVTransferParams
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KVTransferParams, _Mapping]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("request_id", "choices", "usage", "timings", "kv_transfer_params", "model", "prompt_token_ids")
@@ -95,7 +94,7 @@ class GenerateStreamResponse(_message.Message):
     choices: _containers.RepeatedCompositeFieldContainer[Choice]
     usage: _common_pb2.Usage
     timings: _common_pb2.Timings
-    kv_transfer_params: _struct_pb2.Struct
+    kv_transfer_params: _common_pb2.KVTransferParams
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KVTransferParams, _Mapping]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

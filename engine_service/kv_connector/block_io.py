@@ -1,0 +1,107 @@
+"""Reads and writes whole KV blocks of every paged cache group (the worker side's KV memory).
+
+A block of paged group g, as it travels, is the bytes of that block in every layer of the group,
+layer after layer in the group's `layer_ids` order: for a full or sliding-window attention layer
+`kv[:, block]` (K then V, `[2, block_size, kv_heads, head_dim]`), for a latent layer
+`latent[block]`. Both engines build the same layout from the same model, so equal `block_bytes`
+is the handshake's sanity check (the consumer refuses a frame of another size).
+
+State groups (per-request recurrent/convolution state of hybrid models) are not moved yet: a
+request's state slot is one more unit to copy (`remote_state_slot` in the transfer parameters is
+reserved for it); `KVBlockIO` refuses a layout with state groups rather than decode with a
+missing state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine_service.cache_spec import CacheLayout, FullAttentionSpec, LatentSpec
+from tandem.engine_service.cache_tensors import CacheTensors
+
+
+class KVBlockIO:
+    """Gathers blocks of a paged group into bytes and scatters bytes back, over every layer.
+
+    Invariants: `layers[g]` lists group g's cache tensors with the block dimension each has
+    (1 for K/V tensors, 0 for latent ones); `block_bytes[g]` is the size of one block of group g
+    across those layers; reads and writes touch only the named blocks.
+    """
+
+    def __init__(self, layout: CacheLayout, tensors: CacheTensors) -> None:
+        if layout.state_groups:
+            raise NotImplementedError(
+                "KV transfer of state groups (hybrid models) is not implemented: "
+                f"{[g.name for g in layout.state_groups]}")
+        self.layers: list[list[tuple[torch.Tensor, int]]] = []
+        for group in layout.paged_groups:
+            entries = []
+            for layer in group.layer_ids:
+                if isinstance(group.spec, FullAttentionSpec):
+                    entries.append((tensors.kv_caches[layer], 1))
+                elif isinstance(group.spec, LatentSpec):
+                    entries.append((tensors.latent[layer], 0))
+                else:  # pragma: no cover - a new paged spec kind must be taught here
+                    raise TypeError(f"no block I/O for {type(group.spec).__name__}")
+            self.layers.append(entries)
+        self.block_bytes = [sum(_block_nbytes(t, dim) for t, dim in g) for g in self.layers]
+        first = self.layers[0][0][0]
+        self.device = first.device
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.layers)
+
+    def read_blocks(self, group: int, block_ids: list[int]) -> list[bytes]:
+        """Each named block of `group` as bytes (every layer of the group, in order)."""
+        if not block_ids:
+            return []
+        parts: list[torch.Tensor] = []
+        for t, dim in self.layers[group]:
+            idx = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+            # [n, per-block bytes]: block-major, so block j is one row.
+            x = t.index_select(dim, idx).movedim(dim, 0).contiguous()
+            parts.append(x.view(torch.uint8).reshape(len(block_ids), -1).cpu())
+        rows = torch.cat(parts, dim=1).numpy()
+        return [rows[j].tobytes() for j in range(len(block_ids))]
+
+    def write_blocks(self, group: int, block_ids: list[int], data: list[bytes]) -> None:
+        """Write `data[j]` (from `read_blocks` on an engine with the same layout) into block
+        `block_ids[j]` of every layer of `group`."""
+        if len(block_ids) != len(data):
+            raise ValueError("one bytes object per block")
+        if not block_ids:
+            return
+        size = self.block_bytes[group]
+        for j, d in enumerate(data):
+            if len(d) != size:
+                raise ValueError(f"block {j} of group {group}: {len(d)} bytes, expected {size}")
+        rows = torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8).reshape(len(data), size)
+        offset = 0
+        for t, dim in self.layers[group]:
+            n = _block_nbytes(t, dim)
+            idx = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+            shape = list(t.shape)
+            del shape[dim]
+            src = rows[:, offset:offset + n].contiguous().view(t.dtype).reshape(len(data), *shape)
+            t.index_copy_(dim, idx, src.to(t.device).movedim(0, dim))
+            offset += n
+
+    def copy_blocks_from(self, group: int, remote: list[torch.Tensor], remote_ids: list[int],
+                         local_ids: list[int]) -> None:
+        """Device copy: block `remote_ids[j]` of the remote layer tensors `remote` (the same
+        group's layers on another engine, e.g. opened over CUDA IPC) into `local_ids[j]` here."""
+        if len(remote) != len(self.layers[group]):
+            raise ValueError(f"group {group}: {len(remote)} remote layers, {len(self.layers[group])} here")
+        if not local_ids:
+            return
+        for (t, dim), r in zip(self.layers[group], remote):
+            if r.shape[:dim] != t.shape[:dim] or r.shape[dim + 1:] != t.shape[dim + 1:] or r.dtype != t.dtype:
+                raise ValueError(f"remote layer {tuple(r.shape)} {r.dtype} does not match {tuple(t.shape)} {t.dtype}")
+            ridx = torch.tensor(remote_ids, dtype=torch.long, device=r.device)
+            lidx = torch.tensor(local_ids, dtype=torch.long, device=t.device)
+            t.index_copy_(dim, lidx, r.index_select(dim, ridx).to(t.device))
+
+
+def _block_nbytes(t: torch.Tensor, dim: int) -> int:
+    return t.numel() // t.shape[dim] * t.element_size()

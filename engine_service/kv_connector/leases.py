@@ -1,0 +1,131 @@
+"""Producer-side leases: a finished prefill's blocks, kept for the decode leg's pull (torch-free).
+
+A lease holds the blocks a prefill request owned when it finished (`LeasedBlocks`, shaped like
+what `BlockManager.free` reads from a sequence), until one of:
+
+- the consumer's pull connection ends (it pulled, failed or gave up) or it sent `ReleaseLease`;
+- the prefill request id is aborted (the client went away before the decode leg);
+- the lease expires (`expiry_unix` passed; a periodic sweep in the engine core).
+
+Threads: the KV server's threads only `pin` / `unpin` / `request_release` (under the table's
+lock); the engine-core thread grants leases and, in `take_releasable`, removes the ones to free
+and frees their blocks itself. Invariant: a pinned lease (a pull is reading its blocks) is never
+returned by `take_releasable`, even when expired, so a block being sent is never reallocated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class LeasedBlocks:
+    """The blocks (and state slot) a lease owns, in the attributes `BlockManager.free` reads."""
+
+    request_id: str
+    block_tables: list[list[int]]
+    block_hashes: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+
+
+@dataclass(eq=False)
+class Lease:
+    """One prefill's blocks under a lease (see the module docstring)."""
+
+    lease_id: str
+    request_id: str
+    blocks: LeasedBlocks
+    expiry_unix: float
+    pins: int = 0
+    release_requested: bool = False
+
+
+class LeaseTable:
+    """Live leases by id and by prefill request id (see the module docstring for the threads)."""
+
+    def __init__(self, clock=time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_id: dict[str, Lease] = {}
+        self._by_request: dict[str, str] = {}
+        self.expired_total = 0
+        self.released_total = 0
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def grant(self, request_id: str, blocks: LeasedBlocks, ttl_seconds: float) -> Lease:
+        lease = Lease(uuid.uuid4().hex, request_id, blocks, self._clock() + ttl_seconds)
+        with self._lock:
+            old = self._by_request.get(request_id)
+            if old is not None:  # a reused prefill id: the older lease goes first
+                self._by_id[old].release_requested = True
+            self._by_id[lease.lease_id] = lease
+            self._by_request[request_id] = lease.lease_id
+        return lease
+
+    # -- KV server threads -----------------------------------------------------------------------
+    def pin(self, lease_id: str) -> list[list[int]] | None:
+        """The lease's block tables (a copy) while a pull reads them; None if unknown, expired or
+        released. Every successful `pin` is followed by one `unpin`."""
+        with self._lock:
+            lease = self._by_id.get(lease_id)
+            if lease is None or lease.release_requested or lease.expiry_unix <= self._clock():
+                return None
+            lease.pins += 1
+            return [list(t) for t in lease.blocks.block_tables]
+
+    def unpin(self, lease_id: str, release: bool = True) -> None:
+        with self._lock:
+            lease = self._by_id.get(lease_id)
+            if lease is not None:
+                lease.pins -= 1
+                lease.release_requested |= release
+
+    def request_release(self, lease_id: str) -> bool:
+        with self._lock:
+            lease = self._by_id.get(lease_id)
+            if lease is None:
+                return False
+            lease.release_requested = True
+            return True
+
+    # -- engine-core thread ----------------------------------------------------------------------
+    def release_request_id(self, request_id: str) -> bool:
+        """Abort of the prefill request: its lease (if any) is released at the next sweep."""
+        with self._lock:
+            lease_id = self._by_request.get(request_id)
+            if lease_id is None:
+                return False
+            self._by_id[lease_id].release_requested = True
+            return True
+
+    def take_releasable(self) -> list[Lease]:
+        """Remove and return every unpinned lease that was released or has expired."""
+        now = self._clock()
+        out: list[Lease] = []
+        with self._lock:
+            for lease in list(self._by_id.values()):
+                if lease.pins > 0:
+                    continue
+                expired = lease.expiry_unix <= now
+                if lease.release_requested or expired:
+                    del self._by_id[lease.lease_id]
+                    if self._by_request.get(lease.request_id) == lease.lease_id:
+                        del self._by_request[lease.request_id]
+                    out.append(lease)
+                    if lease.release_requested:
+                        self.released_total += 1
+                    else:
+                        self.expired_total += 1
+        return out
+
+    def has_pending_release(self) -> bool:
+        with self._lock:
+            return any(lease.release_requested and lease.pins == 0 for lease in self._by_id.values())

@@ -1,0 +1,214 @@
+"""TCP transport: the producer's KV pull server and the consumer's pull (any host, CPU or GPU).
+
+`KVPullServer` (producer) listens on the engine's KV address; one thread per connection serves
+one message (`wire.py`): a `PullRequest` is answered with one `BlockFrame` per block (bytes read
+by `read_blocks`, CRC32 computed before sending) and a `PullEnd`; a lease it does not hold, or a
+block id outside the lease, gets a `PullError`. A CUDA IPC or NIXL handshake is answered with
+what the consumer needs to copy the blocks itself, and the connection stays open until it did. The lease is pinned while its blocks are read and
+released when the connection ends, whatever happened. The server never touches the block
+manager: a release is recorded in the lease table and freed by the engine-core thread.
+
+`pull_blocks` (consumer) sends the request and checks every frame: the CRC32, the block's size,
+that each requested (group, index) comes exactly once, and the closing count. Any mismatch raises
+`TransferError` with what was wrong; the caller fails the request.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+
+import structlog
+
+from tandem.engine_service.kv_connector.leases import LeaseTable
+from tandem.engine_service.kv_connector.wire import (
+    BlockFrame,
+    IpcHandles,
+    IpcHandlesRequest,
+    NixlHandshake,
+    NixlMemory,
+    PullEnd,
+    PullError,
+    PullRequest,
+    ReleaseLease,
+    WireError,
+    checksum,
+    recv_message,
+    send_message,
+)
+
+log = structlog.get_logger(__name__)
+
+BlockReader = Callable[[int, list[int]], list[bytes]]
+
+
+class TransferError(RuntimeError):
+    """A pull failed: the producer refused it, the stream broke, or a block was corrupt."""
+
+
+class KVPullServer:
+    """Serves pulls of leased blocks on (host, port); see the module docstring.
+
+    `tamper` is a testing seam: applied to each block's bytes after the checksum was computed
+    (a corrupted transfer). `ipc_export` answers a CUDA IPC handshake (None: not offered).
+    """
+
+    def __init__(self, host: str, port: int, leases: LeaseTable, read_blocks: BlockReader,
+                 ipc_export: Callable[[], IpcHandles] | None = None,
+                 on_release: Callable[[], None] | None = None,
+                 nixl_export: Callable[[], NixlMemory] | None = None) -> None:
+        self.leases = leases
+        self.read_blocks = read_blocks
+        self.ipc_export = ipc_export
+        self.nixl_export = nixl_export
+        self.on_release = on_release or (lambda: None)
+        self.tamper: Callable[[bytes], bytes] | None = None
+        self.frames_sent = 0
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self._sock.settimeout(0.5)
+        self.host = host
+        self.port = self._sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="tandem-kv-server", daemon=True)
+
+    def start(self) -> "KVPullServer":
+        self._thread.start()
+        log.info("kv_pull_server_listening", host=self.host, port=self.port)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="tandem-kv-pull", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        lease_id = None
+        try:
+            conn.settimeout(60)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            msg = recv_message(conn)
+            if isinstance(msg, ReleaseLease):
+                self.leases.request_release(msg.lease_id)
+                send_message(conn, PullEnd(num_frames=0))
+                return
+            if not isinstance(msg, (PullRequest, IpcHandlesRequest, NixlHandshake)):
+                send_message(conn, PullError(message=f"unexpected message {type(msg).__name__}"))
+                return
+            tables = self.leases.pin(msg.lease_id)
+            if tables is None:
+                send_message(conn, PullError(message=f"lease {msg.lease_id} is unknown, expired or released"))
+                return
+            lease_id = msg.lease_id
+            if isinstance(msg, IpcHandlesRequest):
+                self._serve_handshake(conn, self.ipc_export, "cuda_ipc")
+            elif isinstance(msg, NixlHandshake):
+                self._serve_handshake(conn, self.nixl_export, "nixl")
+            else:
+                self._serve_pull(conn, msg, tables)
+        except (OSError, WireError) as exc:
+            log.info("kv_pull_connection_ended", error=str(exc), lease_id=lease_id)
+        finally:
+            if lease_id is not None:
+                self.leases.unpin(lease_id, release=True)
+                self.on_release()
+            conn.close()
+
+    def _serve_pull(self, conn: socket.socket, msg: PullRequest, tables: list[list[int]]) -> None:
+        if len(msg.block_ids) != len(tables):
+            send_message(conn, PullError(message=f"{len(msg.block_ids)} cache groups requested, "
+                                                 f"the producer has {len(tables)}"))
+            return
+        for g, ids in enumerate(msg.block_ids):
+            leased = set(tables[g])
+            outside = [b for b in ids if b not in leased or b < 0]
+            if outside:
+                send_message(conn, PullError(message=f"blocks {outside[:8]} of group {g} are not in the lease"))
+                return
+        n = 0
+        for g, ids in enumerate(msg.block_ids):
+            for j, data in enumerate(self.read_blocks(g, ids)):
+                crc = checksum(data)
+                if self.tamper is not None:
+                    data = self.tamper(data)
+                send_message(conn, BlockFrame(group=g, index=j, data=data, crc32=crc))
+                n += 1
+        self.frames_sent += n
+        send_message(conn, PullEnd(num_frames=n))
+
+    def _serve_handshake(self, conn: socket.socket, export: Callable | None, name: str) -> None:
+        if export is None:
+            send_message(conn, PullError(message=f"this producer does not offer {name}"))
+            return
+        send_message(conn, export())
+        # The consumer copies while the lease stays pinned, then closes (or sends anything).
+        conn.settimeout(120)
+        try:
+            recv_message(conn)
+        except WireError:
+            pass
+
+
+def connect(host: str, port: int, timeout: float) -> socket.socket:
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise TransferError(f"cannot reach the KV producer at {host}:{port}: {exc}") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def pull_blocks(sock: socket.socket, lease_id: str, block_ids: list[list[int]],
+                block_bytes: list[int]) -> list[list[bytes]]:
+    """Pull `block_ids[g]` of every group over the connected `sock`; per group, the blocks'
+    bytes in request order. Raises TransferError (see the module docstring)."""
+    try:
+        send_message(sock, PullRequest(lease_id=lease_id, block_ids=block_ids))
+        out: list[list[bytes | None]] = [[None] * len(ids) for ids in block_ids]
+        received = 0
+        while True:
+            msg = recv_message(sock)
+            if isinstance(msg, PullError):
+                raise TransferError(f"producer refused the pull: {msg.message}")
+            if isinstance(msg, PullEnd):
+                break
+            if not isinstance(msg, BlockFrame):
+                raise TransferError(f"unexpected {type(msg).__name__} in a pull")
+            if not (0 <= msg.group < len(out) and 0 <= msg.index < len(out[msg.group])):
+                raise TransferError(f"frame for unknown block (group {msg.group}, index {msg.index})")
+            if out[msg.group][msg.index] is not None:
+                raise TransferError(f"block (group {msg.group}, index {msg.index}) sent twice")
+            if len(msg.data) != block_bytes[msg.group]:
+                raise TransferError(f"block (group {msg.group}, index {msg.index}) has {len(msg.data)} bytes, "
+                                    f"expected {block_bytes[msg.group]} (different model or cache layout?)")
+            if checksum(msg.data) != msg.crc32:
+                raise TransferError(f"checksum mismatch in block (group {msg.group}, index {msg.index}): "
+                                    "the transfer was corrupted")
+            out[msg.group][msg.index] = msg.data
+            received += 1
+    except (OSError, WireError) as exc:
+        raise TransferError(f"KV pull connection failed: {exc}") from None
+    expected = sum(len(ids) for ids in block_ids)
+    if received != expected or msg.num_frames != expected:
+        raise TransferError(f"pull ended after {received} of {expected} blocks")
+    return out  # type: ignore[return-value]
+
+
+def release_lease(host: str, port: int, lease_id: str, timeout: float = 5.0) -> None:
+    """Tell the producer the lease's blocks are not needed (best effort: expiry frees them anyway)."""
+    try:
+        with connect(host, port, timeout) as sock:
+            send_message(sock, ReleaseLease(lease_id=lease_id))
+            recv_message(sock)
+    except (TransferError, OSError, WireError) as exc:
+        log.warning("kv_lease_release_failed", lease_id=lease_id, error=str(exc))

@@ -1,0 +1,144 @@
+"""The KV pull wire protocol: msgspec structs, length-prefixed msgpack frames, a CRC32 per block.
+
+A pull is one TCP connection from the consumer to the producer's KV address:
+
+    consumer -> PullRequest(lease_id, block ids per group)      (or ReleaseLease, IpcHandlesRequest,
+                                                                 NixlHandshake)
+    producer -> BlockFrame * n, then PullEnd(n)                 (or PullError(message) at any point)
+
+Each frame is a 4-byte big-endian length and a msgpack body (a tagged union, so one decoder reads
+every message). A `BlockFrame` carries one block of one paged group — every layer of that group,
+concatenated — and the CRC32 of those bytes, computed by the producer before sending; the
+consumer recomputes it and fails the pull on a mismatch. The producer releases the lease when
+the connection ends, whatever happened (the consumer pulls once).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import zlib
+from typing import Union
+
+import msgspec
+
+MAX_FRAME_BYTES = 1 << 31  # a frame claiming more is corrupt (a block of one group is far smaller)
+_LEN = struct.Struct(">I")
+
+
+class LayerRegion(msgspec.Struct, array_like=True):
+    """Where one layer's blocks lie in a producer's memory: block b's chunk c starts at
+    `base + b * block_stride + c * chunk_stride` and is `chunk_bytes` long (2 chunks, K and V,
+    for attention layers; 1 for latent layers)."""
+
+    base: int
+    block_stride: int
+    chunk_stride: int
+    chunk_bytes: int
+    num_chunks: int
+
+
+class PullRequest(msgspec.Struct, tag="pull", kw_only=True):
+    """Send these of the lease's blocks, per paged group (ids in the producer's tables)."""
+
+    lease_id: str
+    block_ids: list[list[int]]
+
+
+class ReleaseLease(msgspec.Struct, tag="release", kw_only=True):
+    """The consumer needs nothing (its own prefix cache held every block) or gives up."""
+
+    lease_id: str
+
+
+class IpcHandlesRequest(msgspec.Struct, tag="ipc_handles", kw_only=True):
+    """CUDA IPC handshake: the producer's cache tensors' handles for this lease's pull."""
+
+    lease_id: str
+
+
+class NixlHandshake(msgspec.Struct, tag="nixl_handshake", kw_only=True):
+    """NIXL: the producer's agent metadata and block layout for this lease's pull."""
+
+    lease_id: str
+
+
+class BlockFrame(msgspec.Struct, tag="block", kw_only=True):
+    """Block `index` (position in the request's `block_ids[group]`) of paged group `group`."""
+
+    group: int
+    index: int
+    data: bytes
+    crc32: int
+
+
+class PullEnd(msgspec.Struct, tag="end", kw_only=True):
+    """Every requested block was sent."""
+
+    num_frames: int
+
+
+class PullError(msgspec.Struct, tag="error", kw_only=True):
+    """The producer cannot serve the request (unknown or expired lease, a block not leased)."""
+
+    message: str
+
+
+class IpcHandles(msgspec.Struct, tag="ipc", kw_only=True):
+    """Per paged group, per layer: the cache tensor's CUDA IPC handle fields (`cuda_ipc.py`)."""
+
+    device_uuid: str
+    groups: list[list[list]]
+
+
+class NixlMemory(msgspec.Struct, tag="nixl", kw_only=True):
+    """The producer's NIXL agent metadata, its device, and per paged group, per layer, where each
+    block's chunks lie (`nixl_transport.LayerRegion` fields)."""
+
+    agent_metadata: bytes
+    device_id: int
+    groups: list[list[LayerRegion]]
+
+
+WireMessage = Union[PullRequest, ReleaseLease, IpcHandlesRequest, NixlHandshake, BlockFrame, PullEnd, PullError,
+                    IpcHandles, NixlMemory]
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(WireMessage)
+
+
+class WireError(ConnectionError):
+    """The stream ended early or carried a malformed frame."""
+
+
+def checksum(data: bytes | memoryview) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def send_message(sock: socket.socket, msg: WireMessage) -> None:
+    body = _ENCODER.encode(msg)
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise WireError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def recv_message(sock: socket.socket) -> WireMessage:
+    """The next message; WireError on a closed stream or an undecodable frame."""
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > MAX_FRAME_BYTES:
+        raise WireError(f"frame of {n} bytes exceeds the limit")
+    body = _recv_exact(sock, n)
+    try:
+        return _DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"malformed frame: {exc}") from None

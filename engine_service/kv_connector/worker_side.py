@@ -1,0 +1,238 @@
+"""The connector's worker side: runs the loads a step plan names and writes them into the cache.
+
+`KVConnectorWorker.apply(metadata)` (each plan, before the step runs) cancels the loads the plan
+cancels, releases the leases it names, then starts the new loads, each on a background thread
+that only talks to the producer (TCP: receives and checks every block's bytes; CUDA IPC: the
+handshake, opening the producer's tensors; NIXL: the handshake and the READ into the local
+blocks, waited for when cancelled). `poll()` (right after `apply`, on the worker's
+thread, before the step's forward) writes every finished load into the cache tensors — so the
+cache is only ever written by the thread that runs the model, in stream order with its steps,
+and never for a load the same plan cancelled — and returns a `KVLoadReport`. A cancelled load's result is dropped unread:
+its blocks may already belong to another request.
+
+Invariants: a load id is in `_loads` from `apply` until `poll` reports it (finished or failed)
+or it is cancelled; a finished load is reported only after its blocks are written; every load's
+connection is closed by the time it leaves `_loads` (the producer releases the lease then).
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from tandem.engine_service.kv_connector.block_io import KVBlockIO
+from tandem.engine_service.kv_connector.cuda_ipc import IpcChannel
+from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, KVLoadReport, LoadSpec
+from tandem.engine_service.kv_connector.nixl_transport import NixlEndpoint
+from tandem.engine_service.kv_connector.tcp_transport import TransferError, connect, pull_blocks, release_lease
+from tandem.engine_service.kv_connector.wire import (
+    IpcHandles,
+    IpcHandlesRequest,
+    NixlHandshake,
+    NixlMemory,
+    PullError,
+    WireError,
+    recv_message,
+    send_message,
+)
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False)
+class _Load:
+    spec: LoadSpec
+    started: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    sock: socket.socket | None = None
+    blocks: list[list[bytes]] | None = None  # TCP: per group, the pulled bytes
+    remote: list[list[torch.Tensor]] | None = None  # CUDA IPC: the producer's layer tensors
+    written: bool = False  # NIXL: the READ already put the blocks in place
+    error: str | None = None
+    ended: threading.Event = field(default_factory=threading.Event)  # the load thread is done
+
+    def close(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+class KVConnectorWorker:
+    """Starts, cancels and completes KV loads for one worker (see the module docstring)."""
+
+    def __init__(self, block_io: KVBlockIO, ipc: IpcChannel | None = None, timeout_s: float = 60.0,
+                 nixl: Callable[[], NixlEndpoint] | None = None) -> None:
+        self.block_io = block_io
+        self.ipc = ipc
+        self.nixl = nixl  # the consumer's NIXL endpoint, made on first use (None: no NIXL here)
+        self.timeout_s = timeout_s
+        self._loads: dict[str, _Load] = {}
+        self._done: queue.Queue[_Load] = queue.Queue()
+        self._ready: list[_Load] = []
+        self.blocks_loaded = 0
+        self.bytes_loaded = 0
+        self.load_seconds = 0.0
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def apply(self, metadata: KVConnectorMetadata | None) -> None:
+        if not metadata:
+            return
+        for rid in metadata.cancel_loads:
+            load = self._loads.pop(rid, None)
+            if load is not None:
+                load.cancelled.set()
+                if load.spec.transport == "nixl":
+                    # A READ in flight writes into the request's blocks: let it end before they
+                    # may change hands (the READ has its own timeout).
+                    load.ended.wait(self.timeout_s + 5)
+                load.close()
+        for host, port, lease_id in metadata.release_leases:
+            threading.Thread(target=release_lease, args=(host, port, lease_id), name="tandem-kv-release",
+                             daemon=True).start()
+        for spec in metadata.start_loads:
+            if spec.request_id in self._loads:
+                raise ValueError(f"a load for {spec.request_id} is already running")
+            load = _Load(spec)
+            self._loads[spec.request_id] = load
+            threading.Thread(target=self._run, args=(load,), name="tandem-kv-load", daemon=True).start()
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds for a load to complete; whether one did."""
+        try:
+            self._ready.append(self._done.get(timeout=timeout))
+            return True
+        except queue.Empty:
+            return False
+
+    def poll(self) -> KVLoadReport:
+        """Write every completed load into the cache; report finished and failed ones."""
+        report = KVLoadReport()
+        while True:
+            try:
+                self._ready.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        ready, self._ready = self._ready, []
+        for load in ready:
+            rid = load.spec.request_id
+            if self._loads.get(rid) is not load:
+                load.close()
+                continue  # cancelled: its blocks are not its own any more
+            del self._loads[rid]
+            try:
+                if load.error is None:
+                    n_bytes = self._write(load)
+                    report.finished.append(rid)
+                    report.blocks_loaded += load.spec.num_blocks
+                    report.bytes_loaded += n_bytes
+                    report.seconds += time.perf_counter() - load.started
+                else:
+                    report.failed[rid] = load.error
+            except Exception as exc:  # a write that fails fails the request, not the engine
+                log.warning("kv_load_write_failed", request_id=rid, error=str(exc))
+                report.failed[rid] = f"KV load could not be written: {exc}"
+            finally:
+                load.close()
+        self.blocks_loaded += report.blocks_loaded
+        self.bytes_loaded += report.bytes_loaded
+        self.load_seconds += report.seconds
+        return report
+
+    def close(self) -> None:
+        for load in self._loads.values():
+            load.cancelled.set()
+            load.close()
+        self._loads.clear()
+
+    # -- worker thread: writes ------------------------------------------------------------------
+    def _write(self, load: _Load) -> int:
+        spec, io = load.spec, self.block_io
+        n_bytes = 0
+        for g, local in enumerate(spec.local_block_ids):
+            if load.written:
+                pass
+            elif load.remote is not None:
+                io.copy_blocks_from(g, load.remote[g], spec.remote_block_ids[g], local)
+            else:
+                assert load.blocks is not None
+                io.write_blocks(g, local, load.blocks[g])
+            n_bytes += len(local) * io.block_bytes[g]
+        if load.remote is not None and io.device.type == "cuda":
+            torch.cuda.current_stream(io.device).synchronize()  # before the lease is released
+        return n_bytes
+
+    # -- load threads: talk to the producer -----------------------------------------------------
+    def _run(self, load: _Load) -> None:
+        spec = load.spec
+        try:
+            load.sock = connect(spec.remote_host, spec.remote_port, self.timeout_s)
+            load.sock.settimeout(self.timeout_s)
+            if load.cancelled.is_set():
+                return
+            if spec.transport == "cuda_ipc":
+                load.remote = self._open_ipc(load)
+            elif spec.transport == "nixl":
+                self._read_nixl(load)
+                load.written = True
+                load.close()
+            else:
+                load.blocks = pull_blocks(load.sock, spec.lease_id, spec.remote_block_ids, self.block_io.block_bytes)
+                load.close()  # the producer releases the lease as soon as the pull is complete
+        except TransferError as exc:
+            load.error = f"KV transfer from {spec.remote_engine_id} failed: {exc}"
+        except Exception as exc:  # never let a load thread die silently
+            load.error = f"KV transfer from {spec.remote_engine_id} failed: {type(exc).__name__}: {exc}"
+        finally:
+            if load.cancelled.is_set():
+                load.close()
+            if load.error is not None:
+                load.close()
+                log.warning("kv_load_failed", request_id=spec.request_id, error=load.error)
+            load.ended.set()
+            self._done.put(load)
+
+    def _handshake(self, load: _Load, request, expected: type, name: str):
+        assert load.sock is not None
+        try:
+            send_message(load.sock, request)
+            msg = recv_message(load.sock)
+        except (OSError, WireError) as exc:
+            raise TransferError(f"{name} handshake failed: {exc}") from None
+        if isinstance(msg, PullError):
+            raise TransferError(f"producer refused the pull: {msg.message}")
+        if not isinstance(msg, expected):
+            raise TransferError(f"unexpected {type(msg).__name__} in a {name} handshake")
+        return msg
+
+    def _read_nixl(self, load: _Load) -> None:
+        if self.nixl is None:
+            raise TransferError("NIXL is not installed on this engine")
+        memory: NixlMemory = self._handshake(load, NixlHandshake(lease_id=load.spec.lease_id), NixlMemory, "NIXL")
+        try:
+            self.nixl().read(memory.agent_metadata, memory.device_id, memory.groups, load.spec.remote_block_ids,
+                             load.spec.local_block_ids, self.timeout_s)
+        except RuntimeError as exc:
+            raise TransferError(str(exc)) from None
+
+    def _open_ipc(self, load: _Load) -> list[list[torch.Tensor]]:
+        if self.ipc is None:
+            raise TransferError("this engine has no CUDA IPC channel")
+        msg = self._handshake(load, IpcHandlesRequest(lease_id=load.spec.lease_id), IpcHandles, "CUDA IPC")
+        remote = self.ipc.open_handles(msg)
+        if len(remote) != self.block_io.num_groups:
+            raise TransferError(f"producer has {len(remote)} cache groups, this engine {self.block_io.num_groups}")
+        return remote

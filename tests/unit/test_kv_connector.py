@@ -1,0 +1,449 @@
+"""KV connector units: leases, the wire (TCP round trip with checksums, corruption, refusals),
+block I/O over several cache groups, the scheduler side's load planning and the worker side."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import msgspec
+import pytest
+import torch
+
+from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
+from tandem.engine_service.block_pool import PagedGroup
+from tandem.engine_service.cache_spec import CacheGroup, CacheLayout, FullAttentionSpec, LatentSpec, SlidingWindowSpec
+from tandem.engine_service.cache_tensors import allocate_cache_tensors
+from tandem.engine_service.config import KVTransferConfig
+from tandem.engine_service.kv_cache import NULL_BLOCK, BlockManager
+from tandem.engine_service.kv_connector.block_io import KVBlockIO
+from tandem.engine_service.kv_connector.leases import LeasedBlocks, LeaseTable
+from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, LoadSpec
+from tandem.engine_service.kv_connector.scheduler_side import KVConnectorScheduler, LoadRefused
+from tandem.engine_service.kv_connector.tcp_transport import KVPullServer, TransferError, connect, pull_blocks
+from tandem.engine_service.kv_connector.wire import (
+    BlockFrame,
+    PullEnd,
+    WireError,
+    checksum,
+    recv_message,
+    send_message,
+)
+from tandem.engine_service.kv_connector.worker_side import KVConnectorWorker
+from tandem.engine_service.memory import GroupPlan, MemoryPlan
+from tandem.engine_service.sequence import Sequence
+from tandem.engine_service.step_plan import StepPlan, decode_plan, encode_plan
+
+BS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# -- leases ---------------------------------------------------------------------------------------
+
+
+def test_lease_expires_unless_pinned_and_releases_once():
+    clock = Clock()
+    table = LeaseTable(clock)
+    a = table.grant("a", LeasedBlocks("a", [[1, 2]]), ttl_seconds=5)
+    b = table.grant("b", LeasedBlocks("b", [[3]]), ttl_seconds=5)
+    assert table.pin(a.lease_id) == [[1, 2]]
+    clock.t += 6
+    assert table.pin(b.lease_id) is None  # expired leases cannot be pinned
+    gone = table.take_releasable()
+    assert [lease.request_id for lease in gone] == ["b"]  # a is pinned: kept though expired
+    table.unpin(a.lease_id, release=True)
+    assert [lease.request_id for lease in table.take_releasable()] == ["a"]
+    assert table.take_releasable() == [] and len(table) == 0
+    assert (table.expired_total, table.released_total) == (1, 1)
+
+
+def test_lease_released_by_prefill_request_id():
+    table = LeaseTable(Clock())
+    lease = table.grant("p", LeasedBlocks("p", [[4]]), ttl_seconds=30)
+    assert not table.release_request_id("other")
+    assert table.release_request_id("p")
+    assert table.pin(lease.lease_id) is None  # released: no new pull starts
+    assert [x.lease_id for x in table.take_releasable()] == [lease.lease_id]
+
+
+# -- the wire -------------------------------------------------------------------------------------
+
+
+class FakeBlocks:
+    """read_blocks over a dict: block id -> bytes per group."""
+
+    def __init__(self, groups: list[dict[int, bytes]]) -> None:
+        self.groups = groups
+
+    def __call__(self, group: int, ids: list[int]) -> list[bytes]:
+        return [self.groups[group][i] for i in ids]
+
+
+@pytest.fixture()
+def server():
+    table = LeaseTable()
+    blocks = FakeBlocks([{i: bytes([i]) * 64 for i in range(8)}, {i: bytes([100 + i]) * 32 for i in range(8)}])
+    srv = KVPullServer("127.0.0.1", 0, table, blocks).start()
+    yield srv
+    srv.close()
+
+
+def _pull(srv: KVPullServer, lease_id: str, ids: list[list[int]], sizes=(64, 32)):
+    with connect(srv.host, srv.port, 5) as sock:
+        sock.settimeout(5)
+        return pull_blocks(sock, lease_id, ids, list(sizes))
+
+
+def _wait_released(table: LeaseTable, lease_id: str) -> None:
+    deadline = time.monotonic() + 5
+    while table.pin(lease_id) is not None:
+        table.unpin(lease_id, release=False)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_tcp_round_trip_sends_the_named_blocks_and_releases_the_lease(server):
+    lease = server.leases.grant("r", LeasedBlocks("r", [[1, 2, 5], [1, 2, 5]]), 30)
+    got = _pull(server, lease.lease_id, [[5, 1], [2]])
+    assert got == [[bytes([5]) * 64, bytes([1]) * 64], [bytes([102]) * 32]]
+    assert server.frames_sent == 3
+    _wait_released(server.leases, lease.lease_id)
+    assert len(server.leases.take_releasable()) == 1
+
+
+def test_corrupted_frame_is_detected(server):
+    lease = server.leases.grant("r", LeasedBlocks("r", [[1, 2], [1, 2]]), 30)
+    server.tamper = lambda data: data[:-1] + bytes([data[-1] ^ 1])
+    with pytest.raises(TransferError, match="checksum mismatch in block \\(group 0, index 0\\)"):
+        _pull(server, lease.lease_id, [[1, 2], [1]])
+    _wait_released(server.leases, lease.lease_id)  # a failed pull releases too
+
+
+def test_wrong_block_size_and_unleased_blocks_and_unknown_leases_are_refused(server):
+    lease = server.leases.grant("r", LeasedBlocks("r", [[1, 2], [1, 2]]), 30)
+    with pytest.raises(TransferError, match="not in the lease"):
+        _pull(server, lease.lease_id, [[1, 3], []])
+    with pytest.raises(TransferError, match="unknown, expired or released"):
+        _pull(server, "nope", [[1], []])
+    lease2 = server.leases.grant("s", LeasedBlocks("s", [[1], [1]]), 30)
+    with pytest.raises(TransferError, match="has 64 bytes, expected 48"):
+        _pull(server, lease2.lease_id, [[1], []], sizes=(48, 32))
+
+
+def test_missing_blocks_and_malformed_frames_are_errors():
+    a, b = socket.socketpair()
+    with a, b:
+        # A producer that says "done" after one of two blocks.
+        send_message(b, BlockFrame(group=0, index=0, data=b"x" * 8, crc32=checksum(b"x" * 8)))
+        send_message(b, PullEnd(num_frames=1))
+        with pytest.raises(TransferError, match="after 1 of 2 blocks"):
+            pull_blocks(a, "l", [[3, 4]], [8])
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(struct.pack(">I", 3) + b"\xc1\xc1\xc1")
+        with pytest.raises(WireError, match="malformed"):
+            recv_message(a)
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(struct.pack(">I", 10) + b"abc")
+        b.close()
+        with pytest.raises(WireError, match="closed after 3 of 10"):
+            recv_message(a)
+
+
+# -- block I/O ------------------------------------------------------------------------------------
+
+
+def _layout() -> CacheLayout:
+    return CacheLayout((
+        CacheGroup("full_attention", FullAttentionSpec(2, 8, "float32"), (0, 2)),
+        CacheGroup("sliding_window_8", SlidingWindowSpec(2, 8, "float32", sliding_window=8), (1,)),
+        CacheGroup("latent", LatentSpec(16, "bfloat16"), (3,)),
+    ))
+
+
+def _tensors(layout: CacheLayout, seed: int):
+    groups = tuple(GroupPlan(g.name, g.spec, g.layer_ids, num_blocks=10, bytes_per_block=g.bytes_per_block(BS))
+                   for g in layout.groups)
+    plan = MemoryPlan(groups=groups, block_size=BS)
+    tensors = allocate_cache_tensors(layout, plan, 4, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    for t in [*(t for t in tensors.kv_caches if t is not None), *tensors.latent.values()]:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    return tensors
+
+
+def test_block_io_round_trip_over_every_group_and_layer():
+    layout = _layout()
+    src, dst = _tensors(layout, 1), _tensors(layout, 2)
+    a, b = KVBlockIO(layout, src), KVBlockIO(layout, dst)
+    assert a.block_bytes == [2 * (2 * BS * 2 * 8 * 4), 2 * BS * 2 * 8 * 4, BS * 16 * 2]
+    before = [t.clone() for t in [*(t for t in dst.kv_caches if t is not None), *dst.latent.values()]]
+    for g in range(3):
+        b.write_blocks(g, [7, 0], a.read_blocks(g, [3, 5]))
+    for layer in (0, 1, 2):
+        assert torch.equal(dst.kv_caches[layer][:, 7], src.kv_caches[layer][:, 3])
+        assert torch.equal(dst.kv_caches[layer][:, 0], src.kv_caches[layer][:, 5])
+    assert torch.equal(dst.latent[3][7], src.latent[3][3])
+    # Nothing else was written.
+    after = [t for t in [*(t for t in dst.kv_caches if t is not None), *dst.latent.values()]]
+    for t0, t1 in zip(before, after):
+        dim = 1 if t1.dim() == 5 else 0
+        keep = [i for i in range(t1.shape[dim]) if i not in (0, 7)]
+        assert torch.equal(t0.index_select(dim, torch.tensor(keep)), t1.index_select(dim, torch.tensor(keep)))
+    # The device-copy path (CUDA IPC's) writes the same.
+    c = KVBlockIO(layout, _tensors(layout, 3))
+    for g in range(3):
+        c.copy_blocks_from(g, [t for t, _ in a.layers[g]], [3, 5], [7, 0])
+        assert c.read_blocks(g, [7, 0]) == a.read_blocks(g, [3, 5])
+    with pytest.raises(ValueError, match="expected"):
+        b.write_blocks(0, [1], [b"short"])
+
+
+# -- scheduler side -------------------------------------------------------------------------------
+
+
+def _bm(windows=(None,)) -> BlockManager:
+    groups = [PagedGroup(f"g{i}", 32, w) for i, w in enumerate(windows)]
+    return BlockManager(32, BS, groups=groups)
+
+
+def _connector(bm: BlockManager, role="consumer") -> KVConnectorScheduler:
+    return KVConnectorScheduler(KVTransferConfig(role=role), bm, "me", ("127.0.0.1", 1))
+
+
+def _params(num_tokens: int, groups: list[list[int]], **kw) -> KVTransferParams:
+    return KVTransferParams(do_remote_prefill=True, remote_engine_id="prod", remote_host="127.0.0.1", remote_port=9,
+                            remote_block_ids=groups[0], remote_group_block_ids=groups, num_prompt_tokens=num_tokens,
+                            first_token_id=5, lease_id="L", block_size=BS, **kw)
+
+
+def _seq(rid: str, tokens: list[int], params=None) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=4), kv_transfer_params=params)
+
+
+def test_admit_load_pulls_only_blocks_past_the_local_prefix_hit():
+    bm = _bm()
+    kv = _connector(bm)
+    prompt = list(range(10, 33))  # 23 tokens: 6 blocks, the last one partial
+    # A local request computed the first 2 blocks of the same prompt.
+    local = _seq("local", prompt[:9])
+    assert bm.allocate(local, 9)
+    local.num_computed_tokens = 9
+    bm.commit(local)
+    bm.free(local)
+    remote = [[100, 101, 102, 103, 104, 105]]
+    seq = _seq("d", prompt + [7], _params(23, remote))
+    assert kv.needs_load(seq)
+    assert kv.admit_load(seq)
+    assert seq.num_computed_tokens == 8  # the hit
+    meta = kv.take_metadata()
+    (spec,) = meta.start_loads
+    assert spec.remote_block_ids == [[102, 103, 104, 105]]
+    assert spec.local_block_ids == [seq.block_tables[0][2:6]] and len(seq.block_tables[0]) == 6
+    assert spec.num_tokens == 23 and kv.take_metadata() is None
+    # The plan carries it as msgpack.
+    plan = decode_plan(encode_plan(StepPlan(step_id=0, kv_connector_metadata=meta)))
+    assert plan.kv_connector_metadata == meta
+    kv.load_finished(seq, spec.num_tokens)
+    assert seq.num_computed_tokens == 23 and seq.remote_kv_done and not kv.needs_load(seq)
+    assert kv.counters.remote_tokens_loaded == 15
+
+
+def test_admit_load_skips_window_blocks_the_first_query_cannot_see():
+    bm = _bm((None, 8))
+    kv = _connector(bm)
+    prompt = list(range(10, 33))  # 23 tokens; the query at 23 sees 16..23: blocks 4, 5
+    remote = [[50, 51, 52, 53, 54, 55], [NULL_BLOCK, NULL_BLOCK, 62, 63, 64, 65]]
+    seq = _seq("d", prompt + [7], _params(23, remote))
+    assert kv.admit_load(seq)
+    (spec,) = kv.take_metadata().start_loads
+    assert spec.remote_block_ids == [[50, 51, 52, 53, 54, 55], [64, 65]]
+    assert seq.block_tables[1][:4] == [NULL_BLOCK] * 4  # never held, never hashed
+    assert bm.pools[1].num_free == 32 - 2
+
+
+def test_admit_load_refuses_bad_parameters_and_leaves_nothing_allocated():
+    bm = _bm()
+    kv = _connector(bm)
+    prompt = list(range(10, 20))
+    cases = [
+        (_params(9, [[1, 2, 3]]), None),
+        (msgspec.structs.replace(_params(9, [[1, 2, 3]]), block_size=8), "block size 8"),
+        (_params(10, [[1, 2, 3]]), "num_prompt_tokens=10"),
+        (_params(9, [[1, 2]]), "name fewer"),
+        (_params(9, [[1, 2, 3], [4, 5, 6]]), "2 cache groups"),
+        (KVTransferParams(do_remote_prefill=True, remote_block_ids=[1]), "lacks remote_host, remote_port"),
+    ]
+    for params, error in cases:
+        seq = _seq("d", prompt, params)
+        if error is None:
+            assert kv.admit_load(seq)
+            bm.free(seq)
+            kv.cancel_load("d")
+            continue
+        with pytest.raises(LoadRefused, match=error):
+            kv.admit_load(seq)
+        assert bm.num_free_blocks == 32
+    # A load cancelled before its plan was sent becomes a release of its lease.
+    meta = kv.take_metadata()
+    assert meta.start_loads == [] and meta.cancel_loads == [] and meta.release_leases == [("127.0.0.1", 9, "L")]
+    assert kv.take_metadata() is None
+
+
+def test_producer_leases_a_finished_prefill_and_sweep_frees_it():
+    bm = _bm()
+    kv = _connector(bm, role="producer")
+    prompt = list(range(10, 20))
+    seq = _seq("p", prompt, KVTransferParams(do_remote_decode=True))
+    assert bm.allocate(seq, 10)
+    seq.num_computed_tokens = 10
+    seq.append_token(42)
+    seq.finish(FinishReason.LENGTH)
+    tables = [list(t) for t in seq.block_tables]
+    kv.on_request_finished(seq)
+    kv.on_request_finished(seq)  # idempotent
+    p = seq.kv_transfer_params
+    assert p.do_remote_prefill and p.remote_block_ids == tables[0] and p.num_prompt_tokens == 10
+    assert p.first_token_id == 42 and p.block_size == BS and (p.remote_host, p.remote_port) == ("127.0.0.1", 1)
+    assert seq.block_tables == [[]] and len(kv.leases) == 1
+    bm.free(seq)  # what the scheduler does at finish: the lease's blocks stay held
+    assert bm.num_free_blocks == 32 - 3
+    assert bm.num_cached_blocks == 2  # the two full blocks joined the prefix cache
+    assert kv.sweep() == 0
+    assert kv.release_request("p") and kv.sweep() == 1
+    assert bm.num_free_blocks == 32
+    # A stop at the first token (or any other ending) keeps nothing.
+    other = _seq("q", prompt, KVTransferParams(do_remote_decode=True))
+    other.append_token(2)
+    other.finish(FinishReason.STOP)
+    kv.on_request_finished(other)
+    assert other.kv_transfer_params.lease_id is None and len(kv.leases) == 0
+
+
+# -- worker side ----------------------------------------------------------------------------------
+
+
+def test_worker_pulls_writes_and_drops_cancelled_loads():
+    layout = CacheLayout((CacheGroup("full_attention", FullAttentionSpec(2, 8, "float32"), (0, 1)),))
+    src, dst = _tensors(layout, 1), _tensors(layout, 2)
+    src_io, dst_io = KVBlockIO(layout, src), KVBlockIO(layout, dst)
+    table = LeaseTable()
+    srv = KVPullServer("127.0.0.1", 0, table, src_io.read_blocks).start()
+    worker = KVConnectorWorker(dst_io)
+    try:
+        lease = table.grant("p", LeasedBlocks("p", [[2, 4, 6]]), 30)
+        spec = LoadSpec(request_id="d", remote_engine_id="prod", remote_host=srv.host, remote_port=srv.port,
+                        lease_id=lease.lease_id, transport="tcp", remote_block_ids=[[4, 6]],
+                        local_block_ids=[[8, 9]], num_tokens=12)
+        worker.apply(KVConnectorMetadata(start_loads=[spec]))
+        assert worker.num_loading == 1
+        assert worker.wait(10)
+        report = worker.poll()
+        assert report.finished == ["d"] and report.blocks_loaded == 2
+        assert report.bytes_loaded == 2 * dst_io.block_bytes[0]
+        assert dst_io.read_blocks(0, [8, 9]) == src_io.read_blocks(0, [4, 6])
+        # A load cancelled before it completes is never written, and its lease is released.
+        lease2 = table.grant("p2", LeasedBlocks("p2", [[1]]), 30)
+        before = dst_io.read_blocks(0, [3])
+        spec2 = LoadSpec(request_id="e", remote_engine_id="prod", remote_host=srv.host, remote_port=srv.port,
+                         lease_id=lease2.lease_id, transport="tcp", remote_block_ids=[[1]], local_block_ids=[[3]],
+                         num_tokens=4)
+        worker.apply(KVConnectorMetadata(start_loads=[spec2]))
+        worker.apply(KVConnectorMetadata(cancel_loads=["e"]))
+        assert worker.num_loading == 0
+        time.sleep(0.2)
+        assert not worker.poll()
+        assert dst_io.read_blocks(0, [3]) == before
+        # A lease named for release (its load was cancelled before it started) is released.
+        lease3 = table.grant("p3", LeasedBlocks("p3", [[5]]), 30)
+        worker.apply(KVConnectorMetadata(release_leases=[(srv.host, srv.port, lease3.lease_id)]))
+        deadline = time.monotonic() + 5
+        while lease3.lease_id not in {x.lease_id for x in table.take_releasable()}:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # A failed load is reported with why.
+        spec3 = LoadSpec(request_id="f", remote_engine_id="prod", remote_host=srv.host, remote_port=srv.port,
+                         lease_id="gone", transport="tcp", remote_block_ids=[[1]], local_block_ids=[[3]], num_tokens=4)
+        worker.apply(KVConnectorMetadata(start_loads=[spec3]))
+        assert worker.wait(10)
+        report = worker.poll()
+        assert "unknown, expired or released" in report.failed["f"]
+    finally:
+        worker.close()
+        srv.close()
+
+
+# -- tandem bench disagg: the two shapes' arguments --------------------------------------------------
+
+
+def test_bench_disagg_shape_arguments():
+    from tandem.bench.disagg import shape_args
+
+    flags = ["--model", "m", "--num-kv-blocks", "100", "--kv-role", "none", "--kv-transport", "cuda_ipc"]
+    single = shape_args("single", flags, 100, None)
+    assert single == ["--model", "m", "--kv-transport", "cuda_ipc", "--num-kv-blocks", "200"]
+    assert shape_args("single", flags, 100, 150)[-2:] == ["--num-kv-blocks", "150"]
+    disagg = shape_args("disaggregated", flags, 100, None)
+    assert disagg[:6] == ["--model", "m", "--num-kv-blocks", "100", "--kv-transport", "cuda_ipc"]
+    assert disagg[6:8] == ["--disaggregated", "--decode-engine-port"] and int(disagg[8]) > 0
+    assert "--kv-role" not in disagg  # serve --disaggregated gives each engine its role
+    with pytest.raises(ValueError, match="unknown shape"):
+        shape_args("triple", flags, 100, None)
+
+
+# -- NIXL: where each block's chunks lie (pure arithmetic, no NIXL needed) --------------------------
+
+
+def test_nixl_descriptors_point_at_each_blocks_k_and_v_chunks():
+    from tandem.engine_service.kv_connector.nixl_transport import chunk_descriptors, layer_regions
+
+    layout = _layout()
+    tensors = _tensors(layout, 4)
+    io = KVBlockIO(layout, tensors)
+    regions = layer_regions(io)
+    ids = [3, 0, 9]
+    for g, layers in enumerate(io.layers):
+        rows = chunk_descriptors(regions[g], ids, 7)
+        expected = []
+        for t, dim in layers:  # (layer, chunk, block) order
+            chunks = [t[c] for c in range(2)] if dim == 1 else [t]
+            for chunk in chunks:
+                for b in ids:
+                    part = chunk[b]
+                    assert part.is_contiguous()
+                    expected.append((part.data_ptr(), part.numel() * part.element_size(), 7))
+        assert [tuple(int(x) for x in r) for r in rows] == expected
+
+
+def test_nixl_transport_pulls_between_two_engines():
+    """Both engines on CPU with NIXL (UCX over the host); runs where nixl-cu13 is installed
+    (`pip install 'tandem-serve[nixl]'`)."""
+    pytest.importorskip("nixl_cu13")
+    from tests.integration.test_kv_transfer import (
+        assert_all_free, decode_leg, make_core, prefill_leg, prompt, request, run)
+
+    ref, producer, consumer = make_core("none"), make_core("producer", transport="nixl"), make_core("consumer")
+    try:
+        assert "nixl" in consumer.engine.kv.transports
+        prompts = {f"n{i}": prompt(70 + i, n) for i, n in enumerate([9, 26, 40])}
+        expected = run(ref, [request(rid, t, 5) for rid, t in prompts.items()])
+        legs = prefill_leg(producer, prompts)
+        assert {leg.final.kv_transfer_params.remote_transport for leg in legs.values()} == {"nixl"}
+        decoded = decode_leg(consumer, prompts, legs, 5)
+        for rid in prompts:
+            assert legs[rid].tokens + decoded[rid].tokens == expected[rid].tokens
+        assert consumer.engine.stats().kv_remote_blocks_pulled == sum(-(-len(t) // 4) for t in prompts.values())
+        assert producer.engine.kv.server.frames_sent == 0  # NIXL READs, no frames
+        assert_all_free(producer, consumer)
+    finally:
+        for core in (ref, producer, consumer):
+            core.engine.close()
