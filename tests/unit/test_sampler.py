@@ -455,3 +455,53 @@ def test_vocab_size_bounds_are_inclusive() -> None:
     assert out.token_ids == [1]
     assert out.logprobs[0] is not None
     assert [t for t, _ in out.logprobs[0].top] == [1, 3, 2, 0]
+
+
+def test_min_tokens_masks_token_id_zero_and_ignores_ids_outside_the_logits() -> None:
+    # Token 0 is a real token id (it can be a stop token); an EOS id at or beyond the real
+    # vocabulary (a padded lm head cut by vocab_size) has no logit to mask and is skipped.
+    logits = torch.tensor([[9.0, 1.0, 5.0, 2.0, 50.0, 50.0]])
+    seq = make_seq(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[0]), eos=(4, 9))
+    out = Sampler(vocab_size=4).sample(logits, [seq])
+    assert out.token_ids == [2]
+    seq = make_seq(SamplingParams(temperature=0.0, min_tokens=2), eos=(0, 4))
+    assert Sampler(vocab_size=4).sample(logits, [seq]).token_ids == [2]
+    assert logits[0, 0] == 9.0  # the caller's logits are left as they were
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, repetition_penalty=100.0),
+    SamplingParams(temperature=0.0, presence_penalty=2.0),
+    SamplingParams(temperature=0.0, frequency_penalty=2.0),
+])
+def test_each_penalty_alone_applies(params: SamplingParams) -> None:
+    # Token 1 leads slightly and has been generated; any one penalty alone must demote it.
+    logits = torch.tensor([[1.0, 1.5, 0.0]])
+    seq = make_seq(params, prompt=[2], output=[1])
+    assert Sampler().sample(logits.clone(), [seq]).token_ids == [0]
+    # The same batch with a neutral row: penalties are per row.
+    neutral = make_seq(SamplingParams(temperature=0.0), prompt=[2], output=[1])
+    out = Sampler().sample(logits.repeat(2, 1), [seq, neutral])
+    assert out.token_ids == [0, 1]
+
+
+def test_min_tokens_mask_holds_together_with_penalties() -> None:
+    eos = 3
+    logits = torch.tensor([[1.0, 2.0, 0.5, 10.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=5, repetition_penalty=1.2, presence_penalty=0.1)
+    seq = make_seq(params, prompt=[0], output=[1], eos=(eos,))
+    out = Sampler().sample(logits, [seq])
+    assert out.token_ids[0] != eos
+    assert out.token_ids == [1]  # 2.0 / 1.2 - 0.1 still beats 1.0 / 1.2 and 0.5
+
+
+def test_min_p_one_keeps_exactly_the_most_likely_token() -> None:
+    # p_i < min_p * p_max removes; equality keeps, so min_p = 1 leaves the top token (and ties).
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    for seed in range(20):
+        out = Sampler(seed=seed).sample(logits, [make_seq(SamplingParams(temperature=1.0, min_p=1.0))])
+        assert out.token_ids == [1]
+    tied = torch.tensor([[0.0, 3.0, 3.0, 2.0]])
+    seen = {Sampler(seed=s).sample(tied, [make_seq(SamplingParams(temperature=1.0, min_p=1.0))]).token_ids[0]
+            for s in range(40)}
+    assert seen == {1, 2}
