@@ -505,3 +505,24 @@ def test_min_p_one_keeps_exactly_the_most_likely_token() -> None:
     seen = {Sampler(seed=s).sample(tied, [make_seq(SamplingParams(temperature=1.0, min_p=1.0))]).token_ids[0]
             for s in range(40)}
     assert seen == {1, 2}
+
+
+def test_seeded_sampler_draws_fresh_noise_every_step() -> None:
+    # The sampler's own generator is created once per device and then advances: with a fixed
+    # sampler seed, successive steps over the same logits must not repeat one draw.
+    sampler = Sampler(seed=0)
+    logits = torch.zeros(1, 50)
+    tokens = [sampler.sample(logits, [make_seq(SamplingParams(temperature=1.0))]).token_ids[0] for _ in range(20)]
+    assert len(set(tokens)) > 5
+    again = Sampler(seed=0)
+    assert [again.sample(logits, [make_seq(SamplingParams(temperature=1.0))]).token_ids[0] for _ in range(20)] == tokens
+
+
+def test_logprobs_without_alternatives() -> None:
+    # Every row asks for logprobs=0: the chosen token's logprob and rank, no alternatives.
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    out = Sampler().sample(logits, [make_seq(SamplingParams(temperature=0.0, logprobs=0)) for _ in range(2)])
+    assert out.token_ids == [1, 0]
+    for row, lp in zip(logits.tolist(), out.logprobs):
+        assert lp is not None and lp.top == [] and lp.rank == 1
+        assert lp.logprob == pytest.approx(max(naive_log_softmax(row)), abs=1e-6)
