@@ -526,3 +526,20 @@ def test_logprobs_without_alternatives() -> None:
     for row, lp in zip(logits.tolist(), out.logprobs):
         assert lp is not None and lp.top == [] and lp.rank == 1
         assert lp.logprob == pytest.approx(max(naive_log_softmax(row)), abs=1e-6)
+
+
+def test_logprobs_with_one_alternative() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    out = Sampler().sample(logits, [make_seq(SamplingParams(temperature=0.0, logprobs=1))])
+    lp = out.logprobs[0]
+    assert lp is not None and [t for t, _ in lp.top] == [1]
+    assert lp.top[0][1] == pytest.approx(naive_log_softmax(logits[0].tolist())[1], abs=1e-6)
+
+
+def test_pending_sample_keeps_the_tokens_on_the_device_and_is_ready_on_cpu() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 0.0]])
+    pending = Sampler().sample_async(logits, [make_seq(SamplingParams(temperature=0.0)) for _ in range(2)])
+    assert isinstance(pending.token_ids, torch.Tensor) and pending.token_ids.tolist() == [1, 0]
+    assert pending.ready() is True  # CPU: nothing to wait for
+    assert pending.result().token_ids == [1, 0]
+    assert pending.result() is pending.result()  # built once
