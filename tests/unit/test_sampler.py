@@ -543,3 +543,12 @@ def test_pending_sample_keeps_the_tokens_on_the_device_and_is_ready_on_cpu() -> 
     assert pending.ready() is True  # CPU: nothing to wait for
     assert pending.result().token_ids == [1, 0]
     assert pending.result() is pending.result()  # built once
+
+
+def test_top_k_alone_keeps_every_token_tied_with_the_kth() -> None:
+    # The documented top-k-only path: ties with the k-th logit stay in (no full sort that
+    # would cut between equal values).
+    logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
+    seen = {Sampler(seed=s).sample(logits, [make_seq(SamplingParams(temperature=1.0, top_k=2))]).token_ids[0]
+            for s in range(200)}
+    assert seen == {0, 1, 2}

@@ -504,3 +504,18 @@ def test_prefill_gets_nothing_when_the_decodes_after_it_need_the_whole_budget() 
     out = d.step()
     assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(s, 1) for s in dec]
     assert long.num_computed_tokens == before  # it waits for a step with budget left
+
+
+# -- found by mutation testing (docs/testing.md) ------------------------------------------------
+
+
+def test_configuration_and_duplicate_id_errors_read_whole() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    with pytest.raises(ValueError) as err:
+        Scheduler(config, BlockManager(8, BS), max_model_len=17)
+    assert str(err.value) == "without chunked prefill, max_num_batched_tokens (16) must be >= max_model_len (17)"
+    d = Driver()
+    d.add("b", [1, 2])
+    with pytest.raises(ValueError) as err:
+        d.add("b", [1])
+    assert str(err.value) == "duplicate request id 'b'"
