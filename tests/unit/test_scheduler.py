@@ -519,3 +519,39 @@ def test_configuration_and_duplicate_id_errors_read_whole() -> None:
     with pytest.raises(ValueError) as err:
         d.add("b", [1])
     assert str(err.value) == "duplicate request id 'b'"
+
+
+def test_last_budget_token_admits_a_prompt_chunk() -> None:
+    # Every scheduled sequence gets min(tokens it has to compute, budget left): one token left
+    # is still a one-token chunk for the next waiting prompt.
+    d = Driver(budget=3)
+    a = d.add("a", [1, 2], max_tokens=1)
+    b = d.add("b", [3, 4, 5, 6, 7], max_tokens=1)
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens, s.sample) for s in out.scheduled] == [(a, 2, True), (b, 1, False)]
+
+
+def test_a_too_long_head_does_not_hold_up_the_next_request() -> None:
+    d = Driver(max_model_len=8)
+    too_long = d.add("long", list(range(9)), max_tokens=1)
+    ok = d.add("ok", [1, 2, 3], max_tokens=1)
+    out = d.step()
+    assert out.finished == [too_long] and too_long.stop_reason == EXCEEDS_MAX_MODEL_LEN
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(ok, 3)]
+
+
+def test_every_sequence_ending_with_its_pending_token_frees_its_slot() -> None:
+    # Overlapped scheduling: all three running sequences end with the token still pending, so
+    # all three slots are free for the two waiting requests in the very next step.
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64), BlockManager(64, BS), 10_000)
+    running = [Sequence(f"r{i}", [i + 1, i + 2], SamplingParams(max_tokens=1)) for i in range(3)]
+    waiting = [Sequence(f"w{i}", [i + 7, i + 8], SamplingParams(max_tokens=1)) for i in range(2)]
+    for seq in running + waiting:
+        sched.add(seq)
+    first = sched.schedule()
+    assert [s.seq for s in first.scheduled] == running
+    sched.begin_step(first)
+    for row, item in enumerate(first.scheduled):
+        item.seq.mark_pending(row)
+    second = sched.schedule()
+    assert [s.seq for s in second.scheduled] == waiting
