@@ -555,3 +555,12 @@ def test_every_sequence_ending_with_its_pending_token_frees_its_slot() -> None:
         item.seq.mark_pending(row)
     second = sched.schedule()
     assert [s.seq for s in second.scheduled] == waiting
+
+
+def test_without_chunked_prefill_a_prompt_exactly_the_budget_left_fits() -> None:
+    d = Driver(budget=10, chunked=False)
+    a = d.add("a", list(range(4)), max_tokens=2)
+    b = d.add("b", list(range(20, 29)), max_tokens=1)
+    assert [(s.seq, s.num_new_tokens) for s in d.step().scheduled] == [(a, 4)]
+    # a's decode takes 1 of 10: b's 9-token prompt is exactly the budget left.
+    assert [(s.seq, s.num_new_tokens) for s in d.step().scheduled] == [(a, 1), (b, 9)]
