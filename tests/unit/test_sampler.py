@@ -552,3 +552,35 @@ def test_top_k_alone_keeps_every_token_tied_with_the_kth() -> None:
     seen = {Sampler(seed=s).sample(logits, [make_seq(SamplingParams(temperature=1.0, top_k=2))]).token_ids[0]
             for s in range(200)}
     assert seen == {0, 1, 2}
+
+
+def test_top_p_prefix_that_reaches_p_exactly_is_enough() -> None:
+    # Four equal tokens (0.25 each, exact in float32): two of them reach top_p = 0.5 exactly, so
+    # the third is cut (its mass before is 0.5 >= p).
+    logits = torch.zeros(1, 4)
+    seen = {Sampler(seed=s).sample(logits, [make_seq(SamplingParams(temperature=1.0, top_p=0.5))]).token_ids[0]
+            for s in range(100)}
+    assert len(seen) == 2
+
+
+def test_top_p_one_keeps_the_tail_that_cumsum_rounding_would_cut() -> None:
+    # One dominant token: float32 cumsum reaches 1.0 before the tail, whose mass before then
+    # rounds to >= 1. A row with top_p = 1 (in a batch that sorts for another row's top_p) must
+    # still keep those tokens possible. Noise that favours token 5 (q tiny) makes it win if
+    # and only if it was kept.
+    vocab = 8
+    logits = torch.full((2, vocab), -30.0)
+    logits[:, 0] = 30.0
+    seqs = [make_seq(SamplingParams(temperature=1.0, top_p=1.0)), make_seq(SamplingParams(temperature=1.0, top_p=0.5))]
+    probs = torch.softmax(logits[0], dim=-1)
+    assert float(torch.cumsum(probs, dim=-1)[0]) == 1.0  # the rounding this guards against
+    sampler = Sampler(seed=0)
+
+    def noise(seqs_, vocab_, device):
+        q = torch.ones(len(seqs_), vocab_)
+        q[:, 5] = 1e-38
+        return q
+
+    sampler._exponential_noise = noise  # type: ignore[method-assign]
+    out = sampler.sample(logits, seqs)
+    assert out.token_ids == [5, 0]  # the top_p = 0.5 row keeps only the dominant token
