@@ -564,3 +564,24 @@ def test_without_chunked_prefill_a_prompt_exactly_the_budget_left_fits() -> None
     assert [(s.seq, s.num_new_tokens) for s in d.step().scheduled] == [(a, 4)]
     # a's decode takes 1 of 10: b's 9-token prompt is exactly the budget left.
     assert [(s.seq, s.num_new_tokens) for s in d.step().scheduled] == [(a, 1), (b, 9)]
+
+
+def test_a_head_that_can_never_fit_does_not_hold_up_the_next_request() -> None:
+    d = Driver(num_blocks=2, budget=64)  # 8 tokens of KV in all
+    too_big = d.add("big", list(range(12)), max_tokens=1)
+    small = d.add("small", [1, 2, 3], max_tokens=1)
+    out = d.step()
+    assert out.finished == [too_big] and too_big.stop_reason == KV_CACHE_TOO_SMALL
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(small, 3)]
+
+
+def test_log_events_name_what_happened() -> None:
+    # Operators search logs for these event names.
+    import structlog
+
+    with structlog.testing.capture_logs() as logs:
+        d = Driver(max_model_len=8)
+        d.add("long", list(range(9)), max_tokens=1)
+        d.step()
+    assert [e["event"] for e in logs if e.get("request_id") == "long"] == ["request_cannot_run"]
+    assert logs[-1]["reason"] == EXCEEDS_MAX_MODEL_LEN.reason.value and logs[-1]["num_tokens"] == 9
