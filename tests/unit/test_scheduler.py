@@ -585,3 +585,27 @@ def test_log_events_name_what_happened() -> None:
         d.step()
     assert [e["event"] for e in logs if e.get("request_id") == "long"] == ["request_cannot_run"]
     assert logs[-1]["reason"] == EXCEEDS_MAX_MODEL_LEN.reason.value and logs[-1]["num_tokens"] == 9
+
+
+def test_an_abort_mid_step_does_not_keep_later_sequences_out_of_the_prefix_cache() -> None:
+    d = Driver(caching=True)
+    d.add("a", [90, 91, 92], max_tokens=4)
+    b = d.add("b", list(range(8)), max_tokens=1)  # two full blocks
+    out = d.sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["a", "b"]
+    d.model.execute(out.scheduled)
+    d.sched.abort("a")  # ends before the step is read back
+    b.append_token(fake_token(b))
+    b.finish(FinishReason.LENGTH)
+    d.sched.update(out)
+    probe = Sequence("c", list(range(8)) + [50], SamplingParams(max_tokens=1))
+    assert d.bm.match_prefix(probe) == 8  # b's full blocks were cached at the end of the step
+
+
+def test_a_sampled_sequence_without_a_token_is_a_named_error() -> None:
+    d = Driver()
+    d.add("a", [1, 2, 3], max_tokens=2)
+    out = d.sched.schedule()
+    with pytest.raises(RuntimeError) as err:
+        d.sched.update(out)  # nothing appended, nothing marked pending
+    assert str(err.value) == "sequence a was sampled but no token was appended or marked pending"
