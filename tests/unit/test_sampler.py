@@ -565,13 +565,13 @@ def test_top_p_prefix_that_reaches_p_exactly_is_enough() -> None:
 
 def test_top_p_one_keeps_the_tail_that_cumsum_rounding_would_cut() -> None:
     # One dominant token: float32 cumsum reaches 1.0 before the tail, whose mass before then
-    # rounds to >= 1. A row with top_p = 1 (in a batch that sorts for another row's top_p) must
-    # still keep those tokens possible. Noise that favours token 5 (q tiny) makes it win if
-    # and only if it was kept.
+    # rounds to >= 1. A row with top_p = 1 that is sorted anyway (it has a top-k, and another
+    # row's top_p < 1 sends the batch down the sorting path) must keep those tokens possible.
+    # Noise that favours token 5 (q tiny) makes it win if and only if it was kept.
     vocab = 8
-    logits = torch.full((2, vocab), -30.0)
-    logits[:, 0] = 30.0
-    seqs = [make_seq(SamplingParams(temperature=1.0, top_p=1.0)), make_seq(SamplingParams(temperature=1.0, top_p=0.5))]
+    logits = torch.tensor([[30.0] + [-30.0 - i for i in range(1, vocab)]] * 2)
+    seqs = [make_seq(SamplingParams(temperature=1.0, top_p=1.0, top_k=vocab - 1)),
+            make_seq(SamplingParams(temperature=1.0, top_p=0.5))]
     probs = torch.softmax(logits[0], dim=-1)
     assert float(torch.cumsum(probs, dim=-1)[0]) == 1.0  # the rounding this guards against
     sampler = Sampler(seed=0)
