@@ -4,6 +4,7 @@ as literal numbers, as documented, so a changed constant in the code fails too."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -58,6 +59,8 @@ def test_limits_defaults():
     limits = Limits(vocab_size=10, max_model_len=20)
     assert limits.default_max_tokens == 256
     assert limits.kv_capacity_tokens is None and limits.sampling_defaults is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        limits.max_model_len = 30  # type: ignore[misc]  # shared by every request: immutable
 
 
 def test_empty_message_gives_the_engine_defaults():
@@ -67,6 +70,7 @@ def test_empty_message_gives_the_engine_defaults():
 
 def test_prompt_length_bounds():
     assert refused(sampling(), prompt=0) == "prompt: must not be empty"
+    assert accepted(sampling(), prompt=1).max_tokens == 100  # one token is a prompt
     assert refused(sampling(), prompt=4096) == "prompt: 4096 tokens leave no room in the context of 4096"
     assert accepted(sampling(), prompt=4095).max_tokens == 1  # the default is capped by the room
 
