@@ -10,8 +10,9 @@ import math
 import pytest
 from google.protobuf import struct_pb2
 
-from tandem.core_protocol import KVTransferParams, SamplingParams
+from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
 from tandem.protocol import (
+    FINISH_TO_PROTO,
     InvalidRequest,
     Limits,
     check_prompt_token_ids,
@@ -248,3 +249,13 @@ def test_kv_transfer_params_from_a_struct():
     assert err.value.field == "kv_transfer_params"
     assert str(err.value) == f"kv_transfer_params: {inner.value}"
     assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_finish_reasons_map_to_the_wire():
+    assert FINISH_TO_PROTO == {
+        None: common_pb2.FINISH_REASON_UNSPECIFIED,
+        FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+        FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+        FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+        FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+    }
