@@ -173,3 +173,21 @@ def test_abort_ends_the_choice_with_what_matched(tok):
     by_token = make(tok)
     by_token.stop_token_id = 7
     assert by_token.abort_delta(common_pb2.FINISH_REASON_ERROR).stop_token_id == 7
+
+
+def test_last_message_text_and_held_text_both_go_out(tok):
+    # The engine's final message carries tokens too; with stop strings configured, its text
+    # and whatever the matcher held go out together.
+    c = make(tok, stops=["zebra crossing"])
+    d = c.on_engine(engine(ids_of(tok, " one two zebra"), LENGTH))
+    assert d.text == " one two zebra" and c.text == " one two zebra" and d.finish_reason == LENGTH
+
+
+def test_logprob_text_of_a_special_token_is_its_text(tok):
+    eos = tok.eos_token_ids[0]
+    c = make(tok)
+    resp = engine([eos], STOP, stop_token_id=eos)
+    resp.logprobs.append(common_pb2.Logprobs(token_id=eos, logprob=-0.1, rank=1))
+    d = c.on_engine(resp)
+    assert d.logprobs[0].text == tok.decode([eos], skip_special_tokens=False) != ""
+    assert d.text == ""  # the text itself skips it
