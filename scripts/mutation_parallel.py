@@ -13,7 +13,9 @@ Two steps, because the machine that has the cores may lack mutmut and the networ
    at a time to its copy, runs that module's tests in a fresh ``python -P -m pytest -x`` with a
    per-mutant timeout, and restores the file. The coordinator appends each result as one JSON
    line to ``<out>/results.jsonl`` the moment it arrives (so a run cut short keeps everything
-   that finished), and rewrites ``<out>/summary.json`` as it goes.
+   that finished), prints progress, and at the end appends the counts per module as the file's
+   last line (``"id": "summary"``) and prints them with every mutant that was not killed.
+   ``<out>`` holds that one file only: the GPU machine's tool returns a few files at most.
 
 Outcomes: ``killed`` (the tests failed, or the mutant broke an import), ``timeout`` (the tests ran
 past the per-mutant limit: counted as caught, as mutmut does), ``survived`` (every test passed),
@@ -60,17 +62,19 @@ _SCHEDULER_TESTS = [
     "--deselect",
     "tests/unit/test_overlap_scheduling.py::test_padded_graph_buffers_read_pending_tokens",
 ]
+# test_frontend_reliability.py takes ~20 s (real waits); the other request-path tests ~2 s.
 _REQUEST_TESTS = ["tests/unit/test_request_validation.py", "tests/unit/test_frontend_reliability.py"]
 MODULES: dict[str, tuple[str, list[str], list[str]]] = {
     "sampler": ("engine_service/sampler.py", ["tests/unit/test_sampler.py"], []),
     "detokenizer": ("frontend/detokenizer.py", ["tests/unit/test_detokenizer.py"], []),
     "scheduler": ("engine_service/scheduler.py", _SCHEDULER_TESTS, []),
-    "request_builder": ("frontend/request_builder.py", _REQUEST_TESTS, []),
-    "choice_state": ("frontend/choice_state.py", _REQUEST_TESTS, []),
+    "request_builder": ("frontend/request_builder.py", ["tests/unit/test_request_builder.py", *_REQUEST_TESTS], []),
+    "choice_state": ("frontend/choice_state.py", ["tests/unit/test_choice_state.py", *_REQUEST_TESTS], []),
     # The request validation only: the Struct conversions at the end are not validation.
     "protocol": (
         "tandem/protocol.py",
-        ["tests/unit/test_request_validation.py", "tests/unit/test_generation_defaults.py"],
+        ["tests/unit/test_protocol_validation.py", "tests/unit/test_request_validation.py",
+         "tests/unit/test_generation_defaults.py"],
         ["kv_transfer_to_proto", "to_struct"],
     ),
     "stopping": ("engine_service/stopping.py", ["tests/unit/test_stopping.py"], []),
@@ -373,13 +377,11 @@ class Coordinator:
         else:
             c = self.counts[name]
             c[result["outcome"]] = c.get(result["outcome"], 0) + 1
-        if time.monotonic() - self.last_summary > 10:
+        if time.monotonic() - self.last_summary > 60:
             self.write_summary()
 
-    def write_summary(self, final: bool = False) -> None:
-        self.last_summary = time.monotonic()
-        summary = {
-            "final": final,
+    def summary(self) -> dict:
+        return {
             "elapsed_s": round(time.monotonic() - self.t0, 1),
             "workers": self.args.workers,
             "modules": {
@@ -394,9 +396,18 @@ class Coordinator:
                 for m in self.modules
             },
         }
-        tmp = self.out / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=1) + "\n")
-        tmp.replace(self.out / "summary.json")
+
+    def write_summary(self, final: bool = False) -> None:
+        """Progress on stdout; at the end, the summary as the results file's last line (one
+        file under `out`: the GPU machine's tool returns only a few files)."""
+        self.last_summary = time.monotonic()
+        summary = self.summary()
+        if final:
+            self.results_file.write(json.dumps({"id": "summary", **summary}) + "\n")
+            self.results_file.flush()
+            return
+        counts = " ".join(f"{name}={dict(m['outcomes'])}" for name, m in summary["modules"].items() if m["outcomes"])
+        print(f"[{summary['elapsed_s']:.0f} s] {counts}", flush=True)
 
     def run(self) -> None:
         work = Path(self.args.work) if self.args.work else Path(tempfile.mkdtemp(prefix="tandem-mutation-"))
@@ -494,8 +505,10 @@ def cmd_run(args: argparse.Namespace) -> None:
         wanted = set(args.only.split(","))
         modules = [dict(m, mutants=[mu for mu in m["mutants"] if mu["id"] in wanted]) for m in modules]
         modules = [m for m in modules if m["mutants"]]
+    if args.skip_tests:
+        modules = [dict(m, tests=[t for t in m["tests"] if t not in args.skip_tests]) for m in modules]
     for m in modules:
-        print(f"{m['module']}: {len(m['mutants'])} mutants", flush=True)
+        print(f"{m['module']}: {len(m['mutants'])} mutants, tests {' '.join(m['tests'])}", flush=True)
     coord = Coordinator(args, modules)
 
     def _terminate(signum, frame) -> None:  # e.g. an outer `timeout`: stop workers, keep results
@@ -503,7 +516,23 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGTERM, _terminate)
     coord.run()
-    print(json.dumps(json.loads((Path(args.out) / "summary.json").read_text())["modules"], indent=1))
+    print_report(Path(args.out) / "results.jsonl")
+
+
+def print_report(results: Path) -> None:
+    """Counts per module and every mutant not killed, one line each (what a terminal, or the
+    last lines of a remote command's output, should show)."""
+    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    summaries = [r for r in rows if r.get("id") == "summary"]
+    if summaries:
+        for name, m in summaries[-1]["modules"].items():
+            print(f"{name}: {m['mutants']} mutants, {dict(m['outcomes'])}, not run {m['not_run']}"
+                  + (f", skipped: {m['skipped']}" if m["skipped"] else ""))
+    for r in rows:
+        if r.get("id", "").endswith(":baseline") or r.get("id") == "summary" or r["outcome"] == "killed":
+            continue
+        changed = [ln for ln in r.get("diff", "").splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+        print(f"{r['outcome'].upper()} {r['id']} line {r.get('line')}: {' | '.join(x.strip() for x in changed)[:160]}")
 
 
 def main() -> None:
@@ -516,15 +545,22 @@ def main() -> None:
     r.add_argument("--mutants", required=True)
     r.add_argument("--modules", nargs="*", help="only these modules, in this order (default: the file's order)")
     r.add_argument("--only", help="comma-separated mutant ids, e.g. sampler:3,sampler:17")
+    r.add_argument("--skip-tests", nargs="*", default=[],
+                   help="test files left out of every module's tests (a quicker, weaker judge)")
     r.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     r.add_argument("--deadline", type=float, default=520.0, help="seconds; no mutant starts that could end later")
     r.add_argument("--timeout-factor", type=float, default=3.0, help="per-mutant timeout = factor x baseline + 10 s")
     r.add_argument("--max-timeout", type=float, default=120.0)
     r.add_argument("--out", required=True)
     r.add_argument("--work", help="folder for the workers' copies (default: a new temporary folder)")
+    rep = sub.add_parser("report", help="print the counts and the mutants not killed of a results file")
+    rep.add_argument("results")
     w = sub.add_parser("worker", help=argparse.SUPPRESS)
     w.add_argument("--root", required=True)
     args = p.parse_args()
+    if args.cmd == "report":
+        print_report(Path(args.results))
+        return
     {"enumerate": cmd_enumerate, "run": cmd_run, "worker": cmd_worker}[args.cmd](args)
 
 

@@ -440,3 +440,13 @@ def test_two_token_push_ending_mid_character_emits_its_first_token(sp_tok: TextT
     assert detok.push([word[0], emoji[0]]) == " Hello"
     assert detok.push(emoji[1:]) + detok.flush() == "🙂"
     assert detok.text == sp_tok.decode(prompt + word + emoji)[len(sp_tok.decode(prompt)) :]
+
+
+def test_flush_keeps_a_complete_character_before_a_broken_run(sp_tok: TextTokenizer) -> None:
+    # As above, but fewer tokens than the give-up bound: the push cannot emit "A" (its boundary
+    # is more than _TAIL_LOOKBACK tokens back), so the flush must try it before the broken tail.
+    a, broken = _byte_ids(sp_tok, b"A"), _byte_ids(sp_tok, b"\xf0" + b"\x80" * 4)
+    assert sp_tok.decode(a + broken) == FFFD * 6
+    detok = IncrementalDetokenizer(sp_tok)
+    assert detok.push(a + broken) == ""
+    assert detok.flush() == "A" + sp_tok.decode(broken)

@@ -455,3 +455,132 @@ def test_vocab_size_bounds_are_inclusive() -> None:
     assert out.token_ids == [1]
     assert out.logprobs[0] is not None
     assert [t for t, _ in out.logprobs[0].top] == [1, 3, 2, 0]
+
+
+def test_min_tokens_masks_token_id_zero_and_ignores_ids_outside_the_logits() -> None:
+    # Token 0 is a real token id (it can be a stop token); an EOS id at or beyond the real
+    # vocabulary (a padded lm head cut by vocab_size) has no logit to mask and is skipped.
+    logits = torch.tensor([[9.0, 1.0, 5.0, 2.0, 50.0, 50.0]])
+    seq = make_seq(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[0]), eos=(4, 9))
+    out = Sampler(vocab_size=4).sample(logits, [seq])
+    assert out.token_ids == [2]
+    seq = make_seq(SamplingParams(temperature=0.0, min_tokens=2), eos=(0, 4))
+    assert Sampler(vocab_size=4).sample(logits, [seq]).token_ids == [2]
+    assert logits[0, 0] == 9.0  # the caller's logits are left as they were
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, repetition_penalty=100.0),
+    SamplingParams(temperature=0.0, presence_penalty=2.0),
+    SamplingParams(temperature=0.0, frequency_penalty=2.0),
+])
+def test_each_penalty_alone_applies(params: SamplingParams) -> None:
+    # Token 1 leads slightly and has been generated; any one penalty alone must demote it.
+    logits = torch.tensor([[1.0, 1.5, 0.0]])
+    seq = make_seq(params, prompt=[2], output=[1])
+    assert Sampler().sample(logits.clone(), [seq]).token_ids == [0]
+    # The same batch with a neutral row: penalties are per row.
+    neutral = make_seq(SamplingParams(temperature=0.0), prompt=[2], output=[1])
+    out = Sampler().sample(logits.repeat(2, 1), [seq, neutral])
+    assert out.token_ids == [0, 1]
+
+
+def test_min_tokens_mask_holds_together_with_penalties() -> None:
+    eos = 3
+    logits = torch.tensor([[1.0, 2.0, 0.5, 10.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=5, repetition_penalty=1.2, presence_penalty=0.1)
+    seq = make_seq(params, prompt=[0], output=[1], eos=(eos,))
+    out = Sampler().sample(logits, [seq])
+    assert out.token_ids[0] != eos
+    assert out.token_ids == [1]  # 2.0 / 1.2 - 0.1 still beats 1.0 / 1.2 and 0.5
+
+
+def test_min_p_one_keeps_exactly_the_most_likely_token() -> None:
+    # p_i < min_p * p_max removes; equality keeps, so min_p = 1 leaves the top token (and ties).
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    for seed in range(20):
+        out = Sampler(seed=seed).sample(logits, [make_seq(SamplingParams(temperature=1.0, min_p=1.0))])
+        assert out.token_ids == [1]
+    tied = torch.tensor([[0.0, 3.0, 3.0, 2.0]])
+    seen = {Sampler(seed=s).sample(tied, [make_seq(SamplingParams(temperature=1.0, min_p=1.0))]).token_ids[0]
+            for s in range(40)}
+    assert seen == {1, 2}
+
+
+def test_seeded_sampler_draws_fresh_noise_every_step() -> None:
+    # The sampler's own generator is created once per device and then advances: with a fixed
+    # sampler seed, successive steps over the same logits must not repeat one draw.
+    sampler = Sampler(seed=0)
+    logits = torch.zeros(1, 50)
+    tokens = [sampler.sample(logits, [make_seq(SamplingParams(temperature=1.0))]).token_ids[0] for _ in range(20)]
+    assert len(set(tokens)) > 5
+    again = Sampler(seed=0)
+    assert [again.sample(logits, [make_seq(SamplingParams(temperature=1.0))]).token_ids[0] for _ in range(20)] == tokens
+
+
+def test_logprobs_without_alternatives() -> None:
+    # Every row asks for logprobs=0: the chosen token's logprob and rank, no alternatives.
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    out = Sampler().sample(logits, [make_seq(SamplingParams(temperature=0.0, logprobs=0)) for _ in range(2)])
+    assert out.token_ids == [1, 0]
+    for row, lp in zip(logits.tolist(), out.logprobs):
+        assert lp is not None and lp.top == [] and lp.rank == 1
+        assert lp.logprob == pytest.approx(max(naive_log_softmax(row)), abs=1e-6)
+
+
+def test_logprobs_with_one_alternative() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    out = Sampler().sample(logits, [make_seq(SamplingParams(temperature=0.0, logprobs=1))])
+    lp = out.logprobs[0]
+    assert lp is not None and [t for t, _ in lp.top] == [1]
+    assert lp.top[0][1] == pytest.approx(naive_log_softmax(logits[0].tolist())[1], abs=1e-6)
+
+
+def test_pending_sample_keeps_the_tokens_on_the_device_and_is_ready_on_cpu() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 0.0]])
+    pending = Sampler().sample_async(logits, [make_seq(SamplingParams(temperature=0.0)) for _ in range(2)])
+    assert isinstance(pending.token_ids, torch.Tensor) and pending.token_ids.tolist() == [1, 0]
+    assert pending.ready() is True  # CPU: nothing to wait for
+    assert pending.result().token_ids == [1, 0]
+    assert pending.result() is pending.result()  # built once
+
+
+def test_top_k_alone_keeps_every_token_tied_with_the_kth() -> None:
+    # The documented top-k-only path: ties with the k-th logit stay in (no full sort that
+    # would cut between equal values).
+    logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
+    seen = {Sampler(seed=s).sample(logits, [make_seq(SamplingParams(temperature=1.0, top_k=2))]).token_ids[0]
+            for s in range(200)}
+    assert seen == {0, 1, 2}
+
+
+def test_top_p_prefix_that_reaches_p_exactly_is_enough() -> None:
+    # Four equal tokens (0.25 each, exact in float32): two of them reach top_p = 0.5 exactly, so
+    # the third is cut (its mass before is 0.5 >= p).
+    logits = torch.zeros(1, 4)
+    seen = {Sampler(seed=s).sample(logits, [make_seq(SamplingParams(temperature=1.0, top_p=0.5))]).token_ids[0]
+            for s in range(100)}
+    assert len(seen) == 2
+
+
+def test_top_p_one_keeps_the_tail_that_cumsum_rounding_would_cut() -> None:
+    # One dominant token: float32 cumsum reaches 1.0 before the tail, whose mass before then
+    # rounds to >= 1. A row with top_p = 1 that is sorted anyway (it has a top-k, and another
+    # row's top_p < 1 sends the batch down the sorting path) must keep those tokens possible.
+    # Noise that favours token 5 (q tiny) makes it win if and only if it was kept.
+    vocab = 8
+    logits = torch.tensor([[30.0] + [-30.0 - i for i in range(1, vocab)]] * 2)
+    seqs = [make_seq(SamplingParams(temperature=1.0, top_p=1.0, top_k=vocab - 1)),
+            make_seq(SamplingParams(temperature=1.0, top_p=0.5))]
+    probs = torch.softmax(logits[0], dim=-1)
+    assert float(torch.cumsum(probs, dim=-1)[0]) == 1.0  # the rounding this guards against
+    sampler = Sampler(seed=0)
+
+    def noise(seqs_, vocab_, device):
+        q = torch.ones(len(seqs_), vocab_)
+        q[:, 5] = 1e-38
+        return q
+
+    sampler._exponential_noise = noise  # type: ignore[method-assign]
+    out = sampler.sample(logits, seqs)
+    assert out.token_ids == [5, 0]  # the top_p = 0.5 row keeps only the dominant token

@@ -504,3 +504,108 @@ def test_prefill_gets_nothing_when_the_decodes_after_it_need_the_whole_budget() 
     out = d.step()
     assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(s, 1) for s in dec]
     assert long.num_computed_tokens == before  # it waits for a step with budget left
+
+
+# -- found by mutation testing (docs/testing.md) ------------------------------------------------
+
+
+def test_configuration_and_duplicate_id_errors_read_whole() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    with pytest.raises(ValueError) as err:
+        Scheduler(config, BlockManager(8, BS), max_model_len=17)
+    assert str(err.value) == "without chunked prefill, max_num_batched_tokens (16) must be >= max_model_len (17)"
+    d = Driver()
+    d.add("b", [1, 2])
+    with pytest.raises(ValueError) as err:
+        d.add("b", [1])
+    assert str(err.value) == "duplicate request id 'b'"
+
+
+def test_last_budget_token_admits_a_prompt_chunk() -> None:
+    # Every scheduled sequence gets min(tokens it has to compute, budget left): one token left
+    # is still a one-token chunk for the next waiting prompt.
+    d = Driver(budget=3)
+    a = d.add("a", [1, 2], max_tokens=1)
+    b = d.add("b", [3, 4, 5, 6, 7], max_tokens=1)
+    out = d.step()
+    assert [(s.seq, s.num_new_tokens, s.sample) for s in out.scheduled] == [(a, 2, True), (b, 1, False)]
+
+
+def test_a_too_long_head_does_not_hold_up_the_next_request() -> None:
+    d = Driver(max_model_len=8)
+    too_long = d.add("long", list(range(9)), max_tokens=1)
+    ok = d.add("ok", [1, 2, 3], max_tokens=1)
+    out = d.step()
+    assert out.finished == [too_long] and too_long.stop_reason == EXCEEDS_MAX_MODEL_LEN
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(ok, 3)]
+
+
+def test_every_sequence_ending_with_its_pending_token_frees_its_slot() -> None:
+    # Overlapped scheduling: all three running sequences end with the token still pending, so
+    # all three slots are free for the two waiting requests in the very next step.
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64), BlockManager(64, BS), 10_000)
+    running = [Sequence(f"r{i}", [i + 1, i + 2], SamplingParams(max_tokens=1)) for i in range(3)]
+    waiting = [Sequence(f"w{i}", [i + 7, i + 8], SamplingParams(max_tokens=1)) for i in range(2)]
+    for seq in running + waiting:
+        sched.add(seq)
+    first = sched.schedule()
+    assert [s.seq for s in first.scheduled] == running
+    sched.begin_step(first)
+    for row, item in enumerate(first.scheduled):
+        item.seq.mark_pending(row)
+    second = sched.schedule()
+    assert [s.seq for s in second.scheduled] == waiting
+
+
+def test_without_chunked_prefill_a_prompt_exactly_the_budget_left_fits() -> None:
+    d = Driver(budget=10, chunked=False)
+    a = d.add("a", list(range(4)), max_tokens=2)
+    b = d.add("b", list(range(20, 29)), max_tokens=1)
+    assert [(s.seq, s.num_new_tokens) for s in d.step().scheduled] == [(a, 4)]
+    # a's decode takes 1 of 10: b's 9-token prompt is exactly the budget left.
+    assert [(s.seq, s.num_new_tokens) for s in d.step().scheduled] == [(a, 1), (b, 9)]
+
+
+def test_a_head_that_can_never_fit_does_not_hold_up_the_next_request() -> None:
+    d = Driver(num_blocks=2, budget=64)  # 8 tokens of KV in all
+    too_big = d.add("big", list(range(12)), max_tokens=1)
+    small = d.add("small", [1, 2, 3], max_tokens=1)
+    out = d.step()
+    assert out.finished == [too_big] and too_big.stop_reason == KV_CACHE_TOO_SMALL
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(small, 3)]
+
+
+def test_log_events_name_what_happened() -> None:
+    # Operators search logs for these event names.
+    import structlog
+
+    with structlog.testing.capture_logs() as logs:
+        d = Driver(max_model_len=8)
+        d.add("long", list(range(9)), max_tokens=1)
+        d.step()
+    assert [e["event"] for e in logs if e.get("request_id") == "long"] == ["request_cannot_run"]
+    assert logs[-1]["reason"] == EXCEEDS_MAX_MODEL_LEN.reason.value and logs[-1]["num_tokens"] == 9
+
+
+def test_an_abort_mid_step_does_not_keep_later_sequences_out_of_the_prefix_cache() -> None:
+    d = Driver(caching=True)
+    d.add("a", [90, 91, 92], max_tokens=4)
+    b = d.add("b", list(range(8)), max_tokens=1)  # two full blocks
+    out = d.sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["a", "b"]
+    d.model.execute(out.scheduled)
+    d.sched.abort("a")  # ends before the step is read back
+    b.append_token(fake_token(b))
+    b.finish(FinishReason.LENGTH)
+    d.sched.update(out)
+    probe = Sequence("c", list(range(8)) + [50], SamplingParams(max_tokens=1))
+    assert d.bm.match_prefix(probe) == 8  # b's full blocks were cached at the end of the step
+
+
+def test_a_sampled_sequence_without_a_token_is_a_named_error() -> None:
+    d = Driver()
+    d.add("a", [1, 2, 3], max_tokens=2)
+    out = d.sched.schedule()
+    with pytest.raises(RuntimeError) as err:
+        d.sched.update(out)  # nothing appended, nothing marked pending
+    assert str(err.value) == "sequence a was sampled but no token was appended or marked pending"
