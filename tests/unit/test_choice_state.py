@@ -5,7 +5,6 @@ delta a client receives and to the choice's final state."""
 from __future__ import annotations
 
 import pytest
-from google.protobuf import struct_pb2
 
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.tokenizer import TextTokenizer
@@ -151,8 +150,7 @@ def test_special_tokens_kept_in_text_when_not_skipped(tok):
 def test_usage_and_kv_transfer_params_are_kept(tok):
     c = make(tok)
     usage = common_pb2.Usage(prompt_tokens=4, completion_tokens=2, total_tokens=6)
-    kv = struct_pb2.Struct()
-    kv.update({"do_remote_decode": True})
+    kv = common_pb2.KVTransferParams(do_remote_decode=True)
     c.on_engine(engine(ids_of(tok, " x")))
     assert c.usage == common_pb2.Usage() and c.kv_transfer_params is None
     c.on_engine(engine([], LENGTH, usage=usage, kv_transfer_params=kv))

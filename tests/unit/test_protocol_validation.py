@@ -8,7 +8,6 @@ import dataclasses
 import math
 
 import pytest
-from google.protobuf import struct_pb2
 
 from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
 from tandem.protocol import (
@@ -235,20 +234,13 @@ def test_prompt_token_ids_bounds():
     assert str(err.value) == "prompt_token_ids: token id 1000 is outside the vocabulary [0, 1000)"
 
 
-def test_kv_transfer_params_from_a_struct():
-    good = struct_pb2.Struct()
-    good.update({"do_remote_decode": True, "remote_block_ids": [1.0, 2.0]})
-    assert kv_transfer_from_proto(good) == KVTransferParams.from_dict(
-        {"do_remote_decode": True, "remote_block_ids": [1, 2]})
-    bad = struct_pb2.Struct()
-    bad.update({"do_remote_decode": "not a bool"})
-    with pytest.raises(ValueError) as inner:
-        KVTransferParams.from_dict({"do_remote_decode": "not a bool"})
+def test_kv_transfer_params_from_the_typed_message():
+    good = common_pb2.KVTransferParams(do_remote_decode=True, remote_block_ids=[1, 2])
+    assert kv_transfer_from_proto(good) == KVTransferParams(do_remote_decode=True, remote_block_ids=[1, 2])
     with pytest.raises(InvalidRequest) as err:
-        kv_transfer_from_proto(bad)
-    assert err.value.field == "kv_transfer_params"
-    assert str(err.value) == f"kv_transfer_params: {inner.value}"
-    assert err.value.__cause__ is None and err.value.__suppress_context__
+        kv_transfer_from_proto(common_pb2.KVTransferParams(block_size=0))
+    assert err.value.field == "kv_transfer_params.block_size"
+    assert str(err.value) == "kv_transfer_params.block_size: must be >= 1"
 
 
 def test_finish_reasons_map_to_the_wire():

@@ -5,12 +5,11 @@ documents, and every message a client sees is checked whole."""
 from __future__ import annotations
 
 import pytest
-from google.protobuf import struct_pb2
 
 from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.protocol import InvalidRequest, Limits
-from tandem.v1 import engine_pb2, frontend_pb2
+from tandem.v1 import common_pb2, engine_pb2, frontend_pb2
 
 LIMITS = Limits(vocab_size=49152, max_model_len=64, default_max_tokens=8)
 
@@ -132,26 +131,24 @@ def test_stop_bounds(builder):
     assert refused(builder, req(prompt="x", stop=["ok", ""])) == message
 
 
-def _struct_of_size(size: int) -> struct_pb2.Struct:
-    """A Struct whose serialized size is exactly `size` bytes."""
+def _params_of_size(size: int) -> common_pb2.KVTransferParams:
+    """Typed transfer parameters whose serialized size is exactly `size` bytes."""
     for length in range(size - 16, size):
-        s = struct_pb2.Struct()
-        s.update({"k": "x" * length})
-        if s.ByteSize() == size:
-            return s
-    raise AssertionError(f"no Struct of {size} bytes")
+        m = common_pb2.KVTransferParams(remote_engine_id="x" * length)
+        if m.ByteSize() == size:
+            return m
+    raise AssertionError(f"no KVTransferParams of {size} bytes")
 
 
 def test_kv_transfer_params_size_bound(builder):
-    builder.check_request(req(prompt="x", kv_transfer_params=_struct_of_size(65536)))
-    assert refused(builder, req(prompt="x", kv_transfer_params=_struct_of_size(65537))) == (
+    builder.check_request(req(prompt="x", kv_transfer_params=_params_of_size(65536)))
+    assert refused(builder, req(prompt="x", kv_transfer_params=_params_of_size(65537))) == (
         "kv_transfer_params", "kv_transfer_params: 65537 bytes serialized; at most 65536")
 
 
 # -- prepare: tokenizing and fanning out -----------------------------------------------------------
 def test_prepare_text_prompt_fans_out_with_seed_plus_index(builder, tok):
-    kv = struct_pb2.Struct()
-    kv.update({"do_remote_decode": True})
+    kv = common_pb2.KVTransferParams(do_remote_decode=True)
     request = req(prompt="Hello there", n=3, stop=["END"], sampling={"seed": 7, "temperature": 0.5, "max_tokens": 4},
                   kv_transfer_params=kv)
     p = builder.prepare(request, "ext", ["a", "b", "c"])
