@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.protocol import (
+    LEGACY_KV_TRANSFER_FIELD,
     MAX_CHOICES,
     MAX_KV_TRANSFER_PARAMS_BYTES,  # noqa: F401 - re-exported (the bound's documented home was here)
     MAX_STOP_SEQUENCE_LEN,
@@ -54,6 +55,8 @@ class PreparedRequest:
     want_logprobs: bool
     return_prompt_token_ids: bool
     kv_transfer_params: common_pb2.KVTransferParams | None = None
+    # The request used the deprecated Struct form: the reply carries that form too.
+    legacy_kv_reply: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -171,6 +174,7 @@ class RequestBuilder:
             want_logprobs=request.sampling.HasField("logprobs"),
             return_prompt_token_ids=request.return_prompt_token_ids,
             kv_transfer_params=kv,
+            legacy_kv_reply=request.HasField(LEGACY_KV_TRANSFER_FIELD),
         )
 
     def choice_state(self, prepared: PreparedRequest, index: int) -> ChoiceState:

@@ -31,7 +31,14 @@ from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.request_ids import DuplicateRequestId, RequestIdMap
 from tandem.frontend.tokenize_pool import TokenizePool, TokenizerBusy
 from tandem.grpc_service import reject_malformed
-from tandem.protocol import InvalidRequest, kv_transfer_from_metadata, kv_transfer_to_proto, to_struct
+from tandem.protocol import (
+    InvalidRequest,
+    adopt_legacy_kv_params,
+    kv_transfer_from_metadata,
+    kv_transfer_to_proto,
+    set_reply_kv_params,
+    to_struct,
+)
 from tandem.security import AccessPolicy
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
@@ -207,6 +214,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "frontend is draining")
         try:
+            adopt_legacy_kv_params(request)
             header_kv = kv_transfer_from_metadata(context.invocation_metadata())
             if header_kv is not None:  # the header wins over the body's kv_transfer_params, whole
                 request.kv_transfer_params.CopyFrom(kv_transfer_to_proto(header_kv))
@@ -458,6 +466,6 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         if returned is None:
             returned = prepared.kv_transfer_params
         if returned is not None:
-            msg.kv_transfer_params.CopyFrom(returned)
+            set_reply_kv_params(msg, returned, legacy=prepared.legacy_kv_reply)
         if prepared.return_prompt_token_ids:
             msg.prompt_token_ids.extend(prepared.prompt_token_ids)

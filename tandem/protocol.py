@@ -324,6 +324,34 @@ def kv_transfer_params_of(request, metadata) -> KVTransferParams | None:
     return None
 
 
+# Frontend requests from clients built before the typed message carry the parameters as a
+# Struct with the same keys, in this (deprecated) field at the original field number.
+LEGACY_KV_TRANSFER_FIELD = "legacy_kv_transfer_params"
+
+
+def adopt_legacy_kv_params(request) -> None:
+    """Copies a frontend request's deprecated `legacy_kv_transfer_params` Struct into the typed
+    `kv_transfer_params` (unless that is set too: the typed field wins). The legacy field stays
+    set, so that the reply repeats the parameters in that form; raises InvalidRequest naming it."""
+    if not request.HasField(LEGACY_KV_TRANSFER_FIELD):
+        return
+    legacy = getattr(request, LEGACY_KV_TRANSFER_FIELD)
+    if legacy.ByteSize() > MAX_KV_TRANSFER_PARAMS_BYTES:
+        raise InvalidRequest(LEGACY_KV_TRANSFER_FIELD, f"{legacy.ByteSize()} bytes serialized; at most "
+                                                       f"{MAX_KV_TRANSFER_PARAMS_BYTES}")
+    if not request.HasField("kv_transfer_params"):
+        params = kv_transfer_from_dict(json_format.MessageToDict(legacy), LEGACY_KV_TRANSFER_FIELD)
+        request.kv_transfer_params.CopyFrom(kv_transfer_to_proto(params))
+
+
+def set_reply_kv_params(msg, params: common_pb2.KVTransferParams, legacy: bool) -> None:
+    """Puts the returned parameters on a frontend reply: the typed field always, and the
+    deprecated Struct as well when the request came in that form."""
+    msg.kv_transfer_params.CopyFrom(params)
+    if legacy:
+        getattr(msg, LEGACY_KV_TRANSFER_FIELD).CopyFrom(to_struct(kv_transfer_from_proto(params).to_dict()))
+
+
 def to_struct(data: dict) -> struct_pb2.Struct:
     """A JSON-like dict as the `google.protobuf.Struct` the Utility responses carry."""
     out = struct_pb2.Struct()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/engine.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"&\n\x10SubscribeRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\";\n\x0b\x45ngineBatch\x12,\n\tresponses\x18\x01 \x03(\x0b\x32\x19.tandem.v1.EngineResponse\"$\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xef\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x36\n\x14stop_token_sequences\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenSequence\x12\x37\n\x12kv_transfer_params\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\x12\n\nchannel_id\x18\x06 \x01(\t\"\xe4\x02\n\x0e\x45ngineResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12%\n\x08logprobs\x18\x03 \x03(\x0b\x32\x13.tandem.v1.Logprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x12\x1d\n\x13stop_sequence_index\x18\x06 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\t \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\r\n\x05\x65rror\x18\n \x01(\tB\x0e\n\x0cmatched_stop2\xcf\x02\n\x06\x45ngine\x12?\n\x08Generate\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.EngineResponse\x12?\n\x06Stream\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.EngineResponse0\x01\x12@\n\x07Utility\x12\x19.tandem.v1.UtilityRequest\x1a\x1a.tandem.v1.UtilityResponse\x12\x42\n\tSubscribe\x12\x1b.tandem.v1.SubscribeRequest\x1a\x16.tandem.v1.EngineBatch0\x01\x12=\n\x06Submit\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.SubmitResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/engine.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"&\n\x10SubscribeRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\";\n\x0b\x45ngineBatch\x12,\n\tresponses\x18\x01 \x03(\x0b\x32\x19.tandem.v1.EngineResponse\"$\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xf5\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x36\n\x14stop_token_sequences\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenSequence\x12\x37\n\x12kv_transfer_params\x18\x07 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\x12\n\nchannel_id\x18\x06 \x01(\tJ\x04\x08\x05\x10\x06\"\xea\x02\n\x0e\x45ngineResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12%\n\x08logprobs\x18\x03 \x03(\x0b\x32\x13.tandem.v1.Logprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x12\x1d\n\x13stop_sequence_index\x18\x06 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x0b \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\r\n\x05\x65rror\x18\n \x01(\tB\x0e\n\x0cmatched_stopJ\x04\x08\t\x10\n2\xcf\x02\n\x06\x45ngine\x12?\n\x08Generate\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.EngineResponse\x12?\n\x06Stream\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.EngineResponse0\x01\x12@\n\x07Utility\x12\x19.tandem.v1.UtilityRequest\x1a\x1a.tandem.v1.UtilityResponse\x12\x42\n\tSubscribe\x12\x1b.tandem.v1.SubscribeRequest\x1a\x16.tandem.v1.EngineBatch0\x01\x12=\n\x06Submit\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.SubmitResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,9 +41,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENSEQUENCE']._serialized_start=200
   _globals['_TOKENSEQUENCE']._serialized_end=234
   _globals['_ENGINEREQUEST']._serialized_start=237
-  _globals['_ENGINEREQUEST']._serialized_end=476
-  _globals['_ENGINERESPONSE']._serialized_start=479
-  _globals['_ENGINERESPONSE']._serialized_end=835
-  _globals['_ENGINE']._serialized_start=838
-  _globals['_ENGINE']._serialized_end=1173
+  _globals['_ENGINEREQUEST']._serialized_end=482
+  _globals['_ENGINERESPONSE']._serialized_start=485
+  _globals['_ENGINERESPONSE']._serialized_end=847
+  _globals['_ENGINE']._serialized_start=850
+  _globals['_ENGINE']._serialized_end=1185
 # @@protoc_insertion_point(module_scope)

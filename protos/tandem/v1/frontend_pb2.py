@@ -23,25 +23,32 @@ _sym_db = _symbol_database.Default()
 
 
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/frontend.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x94\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\'\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08H\x00\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x37\n\x12kv_transfer_params\x18\t \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x02\x88\x01\x01\x12\r\n\x05model\x18\x0b \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x0c \x01(\x08H\x03\x88\x01\x01\x12$\n\x17return_prompt_token_ids\x18\r \x01(\x08H\x04\x88\x01\x01\x42\x1d\n\x1b_include_stop_str_in_outputB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x18\n\x16_add_generation_promptB\x1a\n\x18_return_prompt_token_ids\"\xcc\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\x08stop_str\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12%\n\x08logprobs\x18\x07 \x03(\x0b\x32\x13.tandem.v1.LogprobsB\x0e\n\x0cmatched_stop\"\xf2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\"\xf8\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x32\xdc\x01\n\x08\x46rontend\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12I\n\x06Stream\x12\x1a.tandem.v1.GenerateRequest\x1a!.tandem.v1.GenerateStreamResponse0\x01\x12@\n\x07Utility\x12\x19.tandem.v1.UtilityRequest\x1a\x1a.tandem.v1.UtilityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/frontend.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd4\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\'\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08H\x00\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x37\n\x12kv_transfer_params\x18\x0e \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12>\n\x19legacy_kv_transfer_params\x18\t \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x02\x88\x01\x01\x12\r\n\x05model\x18\x0b \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x0c \x01(\x08H\x03\x88\x01\x01\x12$\n\x17return_prompt_token_ids\x18\r \x01(\x08H\x04\x88\x01\x01\x42\x1d\n\x1b_include_stop_str_in_outputB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x18\n\x16_add_generation_promptB\x1a\n\x18_return_prompt_token_ids\"\xcc\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\x08stop_str\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12%\n\x08logprobs\x18\x07 \x03(\x0b\x32\x13.tandem.v1.LogprobsB\x0e\n\x0cmatched_stop\"\xb2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12>\n\x19legacy_kv_transfer_params\x18\x05 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12\r\n\x05model\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\"\xb8\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12>\n\x19legacy_kv_transfer_params\x18\x05 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12\r\n\x05model\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x32\xdc\x01\n\x08\x46rontend\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12I\n\x06Stream\x12\x1a.tandem.v1.GenerateRequest\x1a!.tandem.v1.GenerateStreamResponse0\x01\x12@\n\x07Utility\x12\x19.tandem.v1.UtilityRequest\x1a\x1a.tandem.v1.UtilityResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.frontend_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=63
-  _globals['_CHATMESSAGE']._serialized_end=107
-  _globals['_GENERATEREQUEST']._serialized_start=110
-  _globals['_GENERATEREQUEST']._serialized_end=642
-  _globals['_CHOICE']._serialized_start=645
-  _globals['_CHOICE']._serialized_end=849
-  _globals['_GENERATERESPONSE']._serialized_start=852
-  _globals['_GENERATERESPONSE']._serialized_end=1094
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1097
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1345
-  _globals['_FRONTEND']._serialized_start=1348
-  _globals['_FRONTEND']._serialized_end=1568
+  _globals['_GENERATEREQUEST'].fields_by_name['legacy_kv_transfer_params']._loaded_options = None
+  _globals['_GENERATEREQUEST'].fields_by_name['legacy_kv_transfer_params']._serialized_options = b'\030\001'
+  _globals['_GENERATERESPONSE'].fields_by_name['legacy_kv_transfer_params']._loaded_options = None
+  _globals['_GENERATERESPONSE'].fields_by_name['legacy_kv_transfer_params']._serialized_options = b'\030\001'
+  _globals['_GENERATESTREAMRESPONSE'].fields_by_name['legacy_kv_transfer_params']._loaded_options = None
+  _globals['_GENERATESTREAMRESPONSE'].fields_by_name['legacy_kv_transfer_params']._serialized_options = b'\030\001'
+  _globals['_CHATMESSAGE']._serialized_start=93
+  _globals['_CHATMESSAGE']._serialized_end=137
+  _globals['_GENERATEREQUEST']._serialized_start=140
+  _globals['_GENERATEREQUEST']._serialized_end=736
+  _globals['_CHOICE']._serialized_start=739
+  _globals['_CHOICE']._serialized_end=943
+  _globals['_GENERATERESPONSE']._serialized_start=946
+  _globals['_GENERATERESPONSE']._serialized_end=1252
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1255
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1567
+  _globals['_FRONTEND']._serialized_start=1570
+  _globals['_FRONTEND']._serialized_end=1790
 # @@protoc_insertion_point(module_scope)
