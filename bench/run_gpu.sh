@@ -27,6 +27,16 @@ for part in "$@"; do
     random-1k) timeout 580 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload random-1k --peer-num-prompts 8 --engine-share 0.7 --max-seconds 560 --out "$OUT" ;;
     # Host time per step with a model-free runner, against the Qwen3-8B batch-256 step (roofline).
     overhead) timeout 120 $PY -m tandem.cli bench overhead --batches 64,256 --gpu-step-ms "${GPU_STEP_MS:-16.4}" --out "$OUT" ;;
+    # Issue 11: the hybrid models against transformers' own classes (reference vs Triton eager vs graphs), in parallel.
+    parity-hybrid)
+      for m in tiny-qwen3.5 tiny-qwen3-next tiny-qwen3.5-moe; do
+        timeout 280 $PY -m tandem.gpu_checks.model_parity --model dummy:$m --out "$OUT/parity-$m" >"$OUT/parity-$m.log" 2>&1 &
+      done; wait; tail -n 12 "$OUT"/parity-*.log ;;
+    kernels-gdn) timeout 200 $PY -m tandem.kernels.gpu_check --only gdn --out "$OUT/kernels-gdn" ;;
+    # Issue 12: pulls between two processes on the GPU (GB/s vs device copies), then two engines' greedy tokens.
+    kvxfer) timeout 240 $PY -m tandem.gpu_checks.kv_transfer --out "$OUT/kvxfer" ;;
+    # Issue 12: one engine vs prefill + decode engines (Qwen3-8B, CUDA IPC) under long prompts during decode traffic.
+    disagg) timeout 330 $PY -m tandem.cli bench disagg --model dummy:qwen3-8b --num-kv-blocks 8192 --kv-transport cuda_ipc --mixed-seconds ${DISAGG_SECONDS:-75} --max-seconds 310 --out "$OUT" ;;
     serve) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --max-seconds 200 --out "$OUT" ;;
     serve-mux) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --max-seconds 200 --out "$OUT" ;;
     # Four frontend processes on the port and four load-generator processes (see docs/operations.md).
