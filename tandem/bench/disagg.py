@@ -84,7 +84,10 @@ def _kv_counters(address: str) -> dict[str, Any]:
         out[name] = {"tokens_loaded": int(st.get("kv_remote_tokens_loaded", 0)), "bytes_pulled": int(nbytes),
                      "load_failures": int(st.get("kv_remote_load_failures", 0)),
                      "leases_expired": int(st.get("kv_leases_expired", 0)),
-                     "pull_gb_per_s": round(nbytes / secs / 1e9, 3) if secs else None}
+                     # Bytes over the loads' summed durations (each from its plan to its last block
+                     # written, waits for the consumer's steps included; loads overlap): what a
+                     # request's pull achieved, not the link's bandwidth (gpu_checks.kv_transfer).
+                     "load_gb_per_s": round(nbytes / secs / 1e9, 3) if secs else None}
     return out
 
 
@@ -150,15 +153,17 @@ def short_table(results: dict[str, Any]) -> list[str]:
         return "-" if v is None else f"{v:.1f}"
 
     lines = [f"{'shape':>14} {'ITL p50/p99 ms':>17} {'short TTFT p50/p99 ms':>22} "
-             f"{'long TTFT p50/p99 ms':>22} {'short':>6} {'long':>5} {'out tok/s':>10} {'pull GB/s':>10}"]
+             f"{'long TTFT p50/p99 ms':>22} {'short':>6} {'long':>5} {'out tok/s':>10} {'load GB/s*':>10}"]
     for run in (results.get("disagg") or {}).get("runs", []):
         if run.get("status") == "skipped":
             lines.append(f"{run['shape']:>14} skipped ({run['reason']})")
             continue
         itl, st, lt = run["decode_itl_ms"], run["short_ttft_ms"], run["long_ttft_ms"]
-        rates = [c["pull_gb_per_s"] for c in run.get("kv_transfer", {}).values() if c.get("pull_gb_per_s")]
+        rates = [c["load_gb_per_s"] for c in run.get("kv_transfer", {}).values() if c.get("load_gb_per_s")]
         lines.append(f"{run['shape']:>14} {f(itl['p50']) + '/' + f(itl['p99']):>17} "
                      f"{f(st['p50']) + '/' + f(st['p99']):>22} {f(lt['p50']) + '/' + f(lt['p99']):>22} "
                      f"{run['short_completed']:>6} {run['long_completed']:>5} {f(run['output_tokens_per_s']):>10} "
                      f"{(f'{rates[0]:.2f}' if rates else '-'):>10}")
+    lines.append("* bytes pulled / summed per-request load time (waits for the consumer's steps included); "
+                 "the link's bandwidth: python -m tandem.gpu_checks.kv_transfer")
     return lines
