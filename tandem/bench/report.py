@@ -259,6 +259,54 @@ def prefix_rows(records: list[Record]) -> list[list[Any]]:
     return rows
 
 
+def disagg_rows(records: list[Record]) -> list[list[Any]]:
+    """`tandem bench disagg`: one engine against a prefill and a decode engine, same traffic."""
+    rows = []
+    for path, data in latest_per_key(records, "disagg"):
+        env, res = data.get("env", {}), (data.get("results") or {}).get("disagg") or {}
+        runs = {r.get("shape"): r for r in res.get("runs", [])}
+        base = (runs.get("single") or {}).get("decode_itl_ms", {}).get("p99")
+        for shape, run in runs.items():
+            if run.get("status") == "skipped":
+                rows.append([model_cell(data), device_cell(env), shape, "skipped", "", "", "", "", "", "",
+                             commit_cell(env), f"`{path.name}`"])
+                continue
+            itl = run.get("decode_itl_ms", {})
+            pulled = sum(c.get("bytes_pulled", 0) for c in (run.get("kv_transfer") or {}).values())
+            ratio = base / itl["p99"] if base and itl.get("p99") else None
+            rows.append([model_cell(data), device_cell(env), shape,
+                         f"{_num(itl.get('p50'))} / {_num(itl.get('p99'))}",
+                         _num(ratio, ".2f", "×") if shape != "single" else "—",
+                         f"{_num(run.get('short_ttft_ms', {}).get('p50'))} / {_num(run.get('short_ttft_ms', {}).get('p99'))}",
+                         f"{_num(run.get('long_ttft_ms', {}).get('p50'))} / {_num(run.get('long_ttft_ms', {}).get('p99'))}",
+                         f"{run.get('short_completed')} / {run.get('long_completed')}",
+                         _num(run.get("output_tokens_per_s")), _num(pulled / 1e9, ".2f") if pulled else "—",
+                         commit_cell(env), f"`{path.name}`"])
+    return rows
+
+
+def kv_transfer_rows(records: list[Record]) -> list[list[Any]]:
+    """`python -m tandem.gpu_checks.kv_transfer`: pull rate per transport against device copies."""
+    rows = []
+    for path, data in latest_per_key(records, "kv_transfer"):
+        env = data.get("env", {})
+        report = (data.get("results") or {}).get("kv_transfer") or {}
+        pull = (report.get("parts") or {}).get("pull") or {}
+        copies = pull.get("device_copy") or {}
+        gather = copies.get("block_gather_scatter_gb_per_s")
+        engines = ((report.get("parts") or {}).get("engines") or {}).get("transports") or {}
+        for name, t in (pull.get("transports") or {}).items():
+            e = engines.get(name) or {}
+            tokens = (f"{e.get('prompts_equal')} equal, {len(e.get('near_ties', []))} near ties, "
+                      f"{len(e.get('mismatches', []))} mismatches" if e else "—")
+            rows.append([model_cell(data), device_cell(env), name, _num(pull.get("bytes", 0) / 1e6, ".0f"),
+                         "yes" if t.get("bytes_equal") else "NO", _num(t.get("gb_per_s"), ".2f"),
+                         _num(gather, ".1f"), _num(t["gb_per_s"] / gather, ".2f", "×") if gather else "—",
+                         _num(copies.get("contiguous_copy_gb_per_s"), ".0f"), tokens,
+                         commit_cell(env), f"`{path.name}`"])
+    return rows
+
+
 def _headline(data: dict[str, Any]) -> str:
     res = data.get("results", {})
     kind = data.get("kind")
@@ -282,6 +330,10 @@ def _headline(data: dict[str, Any]) -> str:
         if cost:
             parts.append(f"no-reuse cost {_num(100 * cost.get('output_tokens_per_s', 0), '.2f', ' %')}")
         return ", ".join(parts) or "no figure"
+    if kind == "kv_transfer":
+        report = res.get("kv_transfer") or {}
+        rates = ((report.get("parts") or {}).get("pull") or {}).get("transports") or {}
+        return ", ".join(f"{n} {_num(t.get('gb_per_s'), '.2f')} GB/s" for n, t in rates.items()) or "no pull"
     if kind == "disagg":
         runs = {r.get("shape"): r for r in (res.get("disagg") or {}).get("runs", [])}
         p99 = [_num((runs.get(k) or {}).get("decode_itl_ms", {}).get("p99")) for k in ("single", "disaggregated")]
@@ -452,6 +504,28 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
                   "\"Prefix caching with state checkpoints\".", ""]
         lines += _table(["model", "device", "side", "checkpoint stride", "hit rate", "K/V-only hit rate",
                          "ceiling block / checkpoint", "no-reuse cost", "commit", "result"], prefix)
+    disagg = disagg_rows(records)
+    if disagg:  # `tandem bench disagg`
+        lines += ["## Disaggregated prefill/decode", "",
+                  "`tandem bench disagg`: the same mixed traffic (closed-loop decode streams, long prompts "
+                  "arriving during them, short requests) against one engine with both engines' KV blocks, then "
+                  "against a prefill engine and a decode engine behind one frontend (`serve --disaggregated`). "
+                  "The anchor is the single engine's decode ITL p99 in the same call (single ÷ disaggregated: "
+                  "above 1× is better).", ""]
+        lines += _table(["model", "device", "shape", "decode ITL ms p50 / p99", "ITL p99 gain",
+                         "short TTFT ms p50 / p99", "long TTFT ms p50 / p99", "short / long completed",
+                         "out tok/s", "KV GB pulled", "commit", "result"], disagg)
+    kv = kv_transfer_rows(records)
+    if kv:  # `python -m tandem.gpu_checks.kv_transfer`
+        lines += ["## KV transfer between engine processes", "",
+                  "`python -m tandem.gpu_checks.kv_transfer`: a producer process serves a model-shaped KV cache "
+                  "under a lease; this process pulls every block into permuted blocks of its own, checks the "
+                  "bytes, and reports GB/s against the same block gather/scatter between two local caches "
+                  "(the anchor) and a contiguous copy, both measured in the same run. Then two engine "
+                  "processes: greedy tokens of prefill leg + decode leg against one engine's (near ties: a "
+                  "flip between tokens within 0.1 nats in the single run's log-probabilities).", ""]
+        lines += _table(["model", "device", "transport", "MB pulled", "bytes equal", "GB/s", "gather/scatter GB/s",
+                         "÷ gather/scatter", "contiguous copy GB/s", "two engines vs one", "commit", "result"], kv)
     lines += ["## Host overhead per engine step", "",
               "Host (CPU) time of `LLMEngine.step()` with a model-free runner (`tandem bench overhead`): "
               "scheduling, host input preparation, token readback, stop checks and bookkeeping; the "

@@ -25,7 +25,8 @@ the same prompt (its prefix cache flushed in between, so both prefills compute t
 up to near ties (`judge_divergence`). The consumer's stats give the engine-level GB/s (bytes pulled / summed load
 time, which includes the handshake and the wait for the next step).
 
-Writes ``DIR/kv_transfer.json``, prints a table last, exits 1 when anything failed.
+Writes ``DIR/kv_transfer.json`` and the same as a bench record ``DIR/kv_transfer-<model>-<time>.json``
+(`tandem bench report` reads it), prints a table last, exits 1 when anything failed.
 """
 
 from __future__ import annotations
@@ -438,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required")
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TANDEM_LOG_LEVEL", "warning")
+    from tandem.bench.results import new_record, write_record
+
+    # Also a `tandem bench report` record (kind kv_transfer), for docs/benchmarks.md.
+    record = new_record("kv_transfer", args.model, {k: (str(v) if isinstance(v, Path) else v)
+                                                    for k, v in vars(args).items()}, device=args.device)
     report: dict[str, Any] = {"model": args.model, "device": args.device, "parts": {}}
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         report["parts"]["pull"] = {"ok": False, "error": "no CUDA device visible to torch"}
@@ -449,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             _guarded(report, "engines", lambda: part_engines(args))
     report["ok"] = all(p.get("ok") for p in report["parts"].values())
     (args.out / "kv_transfer.json").write_text(json.dumps(report, indent=2, default=str))
+    record.results = {"kv_transfer": report}
+    record.incomplete = not report["ok"]
+    write_record(record, args.out)
     print(_table(report), flush=True)
     return 0 if report["ok"] else 1
 
