@@ -2,7 +2,7 @@
 # One GPU session's measurements: install the carried wheels (see bench/results/README.md), then
 # run the named part(s) with a time bound each. Results land in $OUT (or ./gpu-out).
 # Usage on the GPU machine: bash bench/run_gpu.sh parity roofline serve-mux | throughput serve
-# (serving parts: serve, serve-mux, serve-scale, serve-scale-stream)
+# (serving parts: serve, serve-mux, serve-scale, serve-scale-stream, serve-alt)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -41,6 +41,12 @@ for part in "$@"; do
     serve-mux) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --max-seconds 200 --out "$OUT" ;;
     # Four frontend processes on the port and four load-generator processes (see docs/operations.md).
     serve-scale) timeout 225 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --frontend-workers 4 --client-procs 4 --max-seconds 200 --out "$OUT" ;;
+    # serve-scale's stack, served and in-process alive together and alternating over 3 rounds of
+    # fresh requests (medians; bench/NOTES.md). A round at 768 requests per level took ~136 s at
+    # 071145Z (c64 45 + 40 s, c256 26 + 25 s) after ~40 s of start-up and warm-up: 3 rounds fit
+    # --max-seconds 500 with ~12 % to spare per round, and the part ends within 535 s. 24576 KV
+    # blocks each (42 GiB for qwen3-0.6b; c256 needs ~16k) leave both engines room on one H200.
+    serve-alt) timeout 535 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --frontend-workers 4 --client-procs 4 --concurrency 64,256 --requests-per-level 768 --rounds 3 --num-kv-blocks 24576 --level-seconds 90 --max-seconds 500 --out "$OUT" ;;
     serve-scale-stream) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport stream --frontend-workers 4 --client-procs 4 --max-seconds 200 --out "$OUT" ;;
   esac
   echo "=== $part exit $?"

@@ -168,6 +168,11 @@ def add_bench_parser(sub: Any) -> None:
                         "--engine-core/--engine-transport/--frontend-workers")
     g.add_argument("--client-procs", type=_count_or_auto, default=1,
                    help="load-generator processes sharing each level's concurrency; 'auto' = min(4, cores // 4)")
+    g.add_argument("--rounds", type=_ints_one, default=1,
+                   help="N > 1: keep every side alive, run every level N times alternating the sides' order "
+                        "(round 0 served first, round 1 in-process first, ...) on fresh requests each round, and "
+                        "report per-metric medians (the workload is N x the level sizes; on a GPU needs "
+                        "--num-kv-blocks, as every engine is on the device at once)")
     g = srv.add_argument_group("mixed workload (--mixed): long prompts arriving during decode traffic")
     g.add_argument("--mixed", action="store_true",
                    help="run the mixed workload once per --prefill-caps value instead of the concurrency levels")
@@ -346,6 +351,8 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
     from tandem.bench import serve
 
     if args.mixed:
+        if args.rounds != 1:
+            raise ValueError("--rounds applies to the concurrency levels, not to --mixed")
         return _mixed(record, tandem_cli, args, deadline)
 
     options = serve.ServeOptions(
@@ -354,7 +361,7 @@ def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
         startup_timeout=args.startup_timeout, tokenizer=args.tokenizer, in_process=not args.no_in_process,
         warmup_requests=args.warmup_requests, engine_transport=args.engine_transport,
         frontend_workers=args.frontend_workers, client_procs=args.client_procs, engine_core=args.engine_core,
-        also_stacks=args.also_stacks)
+        also_stacks=args.also_stacks, rounds=args.rounds)
     serve.run_serve(record, engine_config_from_args(args), engine_argv(engine_config_from_args(args)), options, deadline)
     return serve.short_table
 

@@ -105,12 +105,17 @@ def served_stack_of(data: dict[str, Any]) -> tuple[str, str, int, int]:
             int(stack.get("frontend_workers") or 1), int(stack.get("client_procs") or 1))
 
 
+def serve_rounds_of(data: dict[str, Any]) -> int:
+    """`--rounds` of a serve run (1 for runs from before rounds existed)."""
+    return int(((data.get("results") or {}).get("options") or {}).get("rounds") or 1)
+
+
 def variant_of(data: dict[str, Any]) -> tuple:
     """What keeps a run's rows apart from another run of the same kind, model and device: the
-    served stack of a `serve` run (transport, frontend workers, client processes), the workload
-    of a `throughput` run; nothing for the others."""
+    served stack of a `serve` run (transport, frontend workers, client processes) and whether it
+    alternated the sides in rounds, the workload of a `throughput` run; nothing for the others."""
     if data.get("kind") == "serve":
-        return served_stack_of(data)
+        return (*served_stack_of(data), serve_rounds_of(data) > 1)
     if data.get("kind") == "throughput":
         return ((data.get("results") or {}).get("workload") or {}).get("name", ""),
     return ()
@@ -220,7 +225,7 @@ def serve_rows(records: list[Record]) -> tuple[list[list[Any]], list[str]]:
                     level.get("concurrency"), done,
                     _triple(s.get("ttft_ms")), _triple(s.get("tpot_ms"), ".2f"), _triple(s.get("itl_ms"), ".2f"),
                     _num(s.get("output_tokens_per_s")), _num(p.get("output_tokens_per_s")),
-                    _num(slot.get("ratio_output_tokens_per_s"), ".2f", "×"), _num(s.get("client_cpu_fraction"), ".2f"),
+                    _ratio_cell(slot), _num(s.get("client_cpu_fraction"), ".2f"),
                     commit_cell(env), versions_cell(env), f"`{path.name}`",
                 ])
             if overhead is not None:
@@ -229,6 +234,17 @@ def serve_rows(records: list[Record]) -> tuple[list[list[Any]], list[str]]:
                              f"frontend + gRPC TTFT overhead at "
                              f"concurrency 1 = {overhead:.2f} ms (served p50 − in-process p50)")
     return rows, notes
+
+
+def _ratio_cell(slot: dict[str, Any]) -> str:
+    """served ÷ in-process; for a run in rounds, the ratio of the medians and, beside it, the
+    per-round paired ratios' median and range."""
+    cell = _num(slot.get("ratio_output_tokens_per_s"), ".2f", "×")
+    spread = slot.get("ratio_rounds")
+    if spread:
+        cell += (f" (medians of {len(spread['values'])} rounds; per round median {spread['median']:.2f}×, "
+                 f"{spread['min']:.2f}–{spread['max']:.2f}×)")
+    return cell
 
 
 def transport_rows(records: list[Record]) -> list[list[Any]]:
@@ -339,7 +355,8 @@ def _headline(data: dict[str, Any]) -> str:
         p99 = [_num((runs.get(k) or {}).get("decode_itl_ms", {}).get("p99")) for k in ("single", "disaggregated")]
         return f"ITL p99 {p99[0]} ms single, {p99[1]} ms disaggregated"
     levels = [lv for lv in res.get("levels", []) if lv.get("served", {}).get("output_tokens_per_s")]
-    return f"{len(levels)} levels"
+    rounds = serve_rounds_of(data) if kind == "serve" else 1
+    return f"{len(levels)} levels" + (f", {rounds} rounds" if rounds > 1 else "")
 
 
 def _roofline_step_ms(records: list[Record], device: str, batch: Any, context: Any) -> tuple[float, str] | None:
@@ -451,6 +468,12 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
         "own connection, and with several frontend workers each client process dials until its "
         "connections cover the workers evenly (the JSON's `frontend_spread` counts requests per worker).",
         "",
+        "A serving run in rounds (`--rounds N`) keeps the served stack and the in-process engine alive "
+        "together and runs every level N times, the sides' order reversed each round, on fresh requests "
+        "each round; its rows show per-metric medians over the rounds that ran to completion, its ratio "
+        "is the ratio of the output tok/s medians, with the per-round paired ratios' median and range "
+        "beside it, and it keeps rows of its own beside a single-round run of the same stack.",
+        "",
         "Reproduce on a GPU machine (each run writes one JSON into `bench/results/`; commit it, then "
         "regenerate this page):",
         "",
@@ -460,6 +483,8 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
         "tandem bench serve      --model dummy:qwen3-0.6b --concurrency 1,16,64,256",
         "tandem bench serve      --model dummy:qwen3-0.6b --engine-transport mux --frontend-workers 4 --client-procs 4",
         "tandem bench serve      --model dummy:qwen3-0.6b --client-procs 4 --also-stack thread:stream:1 --also-stack thread:mux:4",
+        "tandem bench serve      --model dummy:qwen3-0.6b --frontend-workers 4 --client-procs 4 --concurrency 64,256 "
+        "--requests-per-level 768 --rounds 3 --num-kv-blocks 24576",
         "tandem bench report",
         "```",
         "",

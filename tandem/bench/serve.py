@@ -20,9 +20,22 @@ in-process engine on the same requests.
 3. After the servers stop, the same requests run through an in-process `LLMEngine` at the
    same concurrency (`engine_run.py`). ratio = gRPC output tok/s / in-process output tok/s;
    the gRPC TTFT overhead at concurrency 1 = served p50 TTFT - in-process p50 TTFT.
+4. With `rounds` N > 1, every side (each served stack, the in-process engine) starts once and
+   stays alive for the whole run; each round runs every level on every side, the order
+   reversed from one round to the next, on a slice of the workload of its own; each side's
+   figure per level is the median over the rounds, the ratio is the ratio of the medians,
+   with the per-round paired ratios' median, min and max beside it (`serve_rounds.py` says
+   which metrics, how the budget is shared and which rounds count). Every side's engine is on
+   the device at once, so on a GPU `--num-kv-blocks` is required (the same for every side).
+   One round is the special case of the same path: the run described in 1-3.
 
 Each concurrency level uses its own slice of the workload, so no level hits the prefix cache
 with another level's prompts.
+
+Side objects (`_ServedSide`, `_InProcessSide`) share one shape: `open(deadline) -> bool` (start
+and warm up), `run_level(requests, concurrency, budget, prefix) -> figures`, `close()` (safe to
+call twice); `field` / `label` say where their figures go, `name` is their side name in
+`serve_rounds`.
 """
 
 from __future__ import annotations
@@ -44,6 +57,8 @@ import structlog
 
 from tandem.bench.results import BenchRecord, Deadline
 from tandem.bench.serve_client import ClientProcesses, auto_client_procs, probe_worker_pid_sync, run_level
+from tandem.bench.serve_rounds import (IN_PROCESS, level_fraction, round_order, round_slices, schedule, served_name,
+                                       summarize_level_rounds)
 from tandem.bench.workloads import BenchRequest, make_workload, warmup_prompt_lens, warmup_requests
 
 log = structlog.get_logger(__name__)
@@ -70,6 +85,7 @@ class ServeOptions:
     client_procs: int | str = 1  # load-generator processes, or "auto" (auto_client_procs())
     engine_core: str = "process"  # `tandem serve --engine-core` of the primary stack
     also_stacks: list[dict[str, Any]] = field(default_factory=list)  # further stacks: stack_spec() dicts
+    rounds: int = 1  # > 1: every side alive throughout, sides alternating per round (serve_rounds.py)
 
     def resolved_client_procs(self) -> int:
         return auto_client_procs() if self.client_procs == "auto" else max(1, int(self.client_procs))
@@ -200,9 +216,17 @@ class ServeProcess:
 
 def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], options: ServeOptions,
               deadline: Deadline, log_dir: Path | None = None) -> None:
-    """Fill `record.results["levels"]` with served and in-process figures per concurrency."""
+    """Fill `record.results["levels"]` with served and in-process figures per concurrency (with
+    `options.rounds` > 1: per round under `level["rounds"]`, medians in the level; serve_rounds.py)."""
     from tandem.engine_service.loader import read_eos_token_ids, resolve_model
+    from tandem.engine_service.model_runner import resolve_device
 
+    if options.rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {options.rounds}")
+    if options.rounds > 1 and engine_config.cache.num_blocks is None \
+            and resolve_device(engine_config.model.device).type == "cuda":
+        raise ValueError("--rounds > 1 keeps every side's engine on the device at once: pass --num-kv-blocks, "
+                         "or both would size their KV pools from the same free memory")
     res = record.results
     res["options"] = dict(vars(options))
     # The served stack's shape, read by `tandem bench report` (runs without it: stream, 1, 1).
@@ -216,12 +240,10 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
     vocab = int(resolved.config["vocab_size"])
     max_len = engine_config.model.max_model_len or resolved.config.get("max_position_embeddings")
     sizes = options.level_sizes()
-    workload = make_workload(options.workload, vocab, sum(sizes), options.scale, max_model_len=max_len)
+    workload = make_workload(options.workload, vocab, options.rounds * sum(sizes), options.scale,
+                             max_model_len=max_len)
     res["workload"] = workload.describe()
-    slices, start = [], 0
-    for n in sizes:
-        slices.append(workload.requests[start : start + n])
-        start += n
+    slices = round_slices(workload.requests, sizes, options.rounds)
     levels: list[dict[str, Any]] = [{"concurrency": c, "num_requests": n} for c, n in zip(options.concurrencies, sizes)]
     res["levels"] = levels
     # Every side warms up on the same short requests whose prompts span the workload's lengths,
@@ -249,16 +271,23 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
             res["tokenizer"] = "word-level stand-in (token i <-> 't<i>') covering the model's vocabulary"
         else:
             res["tokenizer"] = tokenizer
+        sides: dict[str, Any] = {}
         for stack in [primary, *options.also_stacks]:
             serve_args = engine_flags + ["--tokenizer", tokenizer, "--engine-transport", stack["engine_transport"],
                                          "--frontend-workers", str(stack["frontend_workers"]),
                                          "--engine-core", stack["engine_core"]]
             label = None if stack is primary else stack_label(stack)
-            _served_levels(record, serve_args, slices, warm, options, deadline, log_dir or tmp, stack, label)
+            sides[served_name(label)] = _ServedSide(record, serve_args, stack, label, warm, options,
+                                                    Path(log_dir or tmp))
+        if options.in_process:
+            sides[IN_PROCESS] = _InProcessSide(record, engine_config, warm, options)
+        if options.rounds > 1:
+            for level in levels:
+                level["rounds"] = [{"round": r, "order": round_order(list(sides), r)} for r in range(options.rounds)]
+            res["rounds"] = []
+        _run_schedule(record, sides, slices, options, deadline)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if options.in_process:
-        _in_process_levels(record, engine_config, slices, warm, options, deadline)
     _compare(res)
 
 
@@ -267,86 +296,154 @@ def _slot(level: dict[str, Any], side: str, label: str | None) -> dict[str, Any]
     return level if label is None else level.setdefault("served_stacks", {}).setdefault(label, {})
 
 
-def _levels_within_budget(record: BenchRecord, levels: list[dict[str, Any]], slices: list[list[BenchRequest]],
-                          side: str, deadline: Deadline, label: str | None = None):
-    """Yields (level, its requests, concurrency) while time is left; marks the rest skipped."""
-    for level, requests in zip(levels, slices):
-        if deadline.remaining() < 1.0:
-            _slot(level, side, label)[side] = {"status": "skipped", "reason": "time budget (--max-seconds) spent"}
+def _run_schedule(record: BenchRecord, sides: dict[str, Any], slices: list[list[list[BenchRequest]]],
+                  options: ServeOptions, deadline: Deadline) -> None:
+    """Runs `schedule(sides, rounds)`: opens, rounds of levels, closes. A side that failed to open
+    runs no level; every side opened is closed, also when a step raises."""
+    res = record.results
+    names = list(sides)
+    opened: list[str] = []
+    usable: set[str] = set()
+    round_deadline: dict[int, Deadline] = {}
+    round_start: dict[int, float] = {}
+    try:
+        for step in schedule(names, options.rounds):
+            side = sides[step.side]
+            if step.action == "open":
+                opened.append(step.side)
+                if side.open(deadline):
+                    usable.add(step.side)
+            elif step.action == "close":
+                opened.remove(step.side)
+                side.close()
+            else:
+                r = step.round
+                if r not in round_deadline:  # the round's share of what is left, when it starts
+                    round_deadline[r] = deadline.sub(fraction=1.0 / (options.rounds - r))
+                    round_start[r] = time.monotonic()
+                    if options.rounds > 1:
+                        res["rounds"].append({"round": r, "order": round_order(names, r),
+                                              "budget_s": round(round_deadline[r].remaining(), 3)})
+                if step.side in usable:
+                    fraction = level_fraction(round_order(names, r), step.side)
+                    _side_levels(record, side, r, slices[r], round_deadline[r], fraction, options)
+                if options.rounds > 1:
+                    res["rounds"][r]["seconds"] = round(time.monotonic() - round_start[r], 3)
+    finally:
+        for name in reversed(opened):
+            sides[name].close()
+
+
+def _side_levels(record: BenchRecord, side: Any, r: int, requests_per_level: list[list[BenchRequest]],
+                 round_deadline: Deadline, fraction: float | None, options: ServeOptions) -> None:
+    """One side's levels of round `r`, in level order, into the level (one round) or its round
+    entry; levels the round's budget has no second left for are marked skipped."""
+    rounds = options.rounds
+    for level, requests in zip(record.results["levels"], requests_per_level):
+        c = level["concurrency"]
+        slot = _slot(level if rounds == 1 else level["rounds"][r], side.field, side.label)
+        if round_deadline.remaining() < 1.0:
+            slot[side.field] = {"status": "skipped", "reason": "time budget (--max-seconds) spent"
+                                if rounds == 1 else f"round {r}'s share of the time budget (--max-seconds) spent"}
             record.incomplete = True
             continue
-        yield level, requests, level["concurrency"]
+        tag = f"c{c}" if rounds == 1 else f"r{r}_c{c}"
+        with record.stage(side.stage_name(tag)):
+            budget = round_deadline.sub(seconds=options.level_seconds, fraction=fraction)
+            figures = side.run_level(requests, c, budget, prefix=tag.replace("_", ""))
+            slot[side.field] = figures
+            record.incomplete |= bool(figures.get("timed_out")) or bool(figures.get("client_errors"))
+            log.info("serve level", side=side.name, round=r, concurrency=c,
+                     output_tok_s=round(figures["output_tokens_per_s"], 1), ttft_p50_ms=figures["ttft_ms"]["p50"])
 
 
-def _served_levels(record: BenchRecord, serve_args: list[str], slices: list[list[BenchRequest]],
-                   warm: list[tuple[list[BenchRequest], int]], options: ServeOptions, deadline: Deadline, log_dir: Path,
-                   stack: dict[str, Any], label: str | None = None) -> None:
-    """One served stack's levels: the primary (`label` None) fills `level["served"]` and
-    `res["server"]`; another fills `level["served_stacks"][label]` and `res["servers"][label]`."""
-    res = record.results
-    levels = res["levels"]
-    server = None
-    tag = "" if label is None else f"[{label}]"
-    workers = stack["frontend_workers"]
-    servers = res if label is None else res.setdefault("servers", {})
-    key = "server" if label is None else label
-    with record.stage(f"serve_start{tag}"):
-        log_path = Path(log_dir) / f"tandem-serve{'' if label is None else '-' + label.replace(':', '-')}.log"
-        server = ServeProcess(serve_args, log_path)
-        started = time.monotonic()
-        startup_s = server.wait_serving(min(options.startup_timeout, max(deadline.remaining(), 1.0)))
-        # The extra workers load what the first one loaded, so they follow it within seconds.
-        pids = server.wait_workers(workers, min(WORKERS_TIMEOUT_S, max(deadline.remaining(), 1.0)))
-        servers[key] = {"argv": server.argv[1:], "startup_s": startup_s, "stack": dict(stack),
-                        "frontend_workers": {"requested": workers, "reached": len(pids),
-                                             "pids": pids, "all_listening_s": round(time.monotonic() - started, 3)}}
-        if len(pids) < workers:
-            log.warning("not every frontend worker answered; the levels use those that did",
-                        requested=workers, reached=len(pids))
-    if server is None or key not in servers:
-        if server is not None:
-            server.stop()
-        return
-    info = servers[key]
-    worker_pids = info["frontend_workers"]["pids"]
-    clients = None
-    try:
+class _ServedSide:
+    """One served stack, from `tandem serve` start to stop: started and warmed up by `open`,
+    measured a level at a time by `run_level`, stopped by `close` (which records its exit code).
+    The primary (`label` None) records under `res["server"]` and `level["served"]`; another stack
+    under `res["servers"][label]` and `level["served_stacks"][label]["served"]`."""
+
+    field = "served"
+
+    def __init__(self, record: BenchRecord, serve_args: list[str], stack: dict[str, Any], label: str | None,
+                 warm: list[tuple[list[BenchRequest], int]], options: ServeOptions, log_dir: Path) -> None:
+        self.record, self.serve_args, self.stack, self.label = record, serve_args, stack, label
+        self.warm, self.options, self.log_dir = warm, options, log_dir
+        self.name = served_name(label)
+        self.tag = "" if label is None else f"[{label}]"
+        self.servers = record.results if label is None else record.results.setdefault("servers", {})
+        self.key = "server" if label is None else label
+        self.server: ServeProcess | None = None
+        self.clients: ClientProcesses | None = None
+
+    def stage_name(self, level_tag: str) -> str:
+        return f"serve_{level_tag}{self.tag}"
+
+    def open(self, deadline: Deadline) -> bool:
+        """Start the stack, its client processes, and warm it up; False when it cannot serve."""
+        record, options, workers = self.record, self.options, self.stack["frontend_workers"]
+        with record.stage(f"serve_start{self.tag}"):
+            label = self.label
+            log_path = self.log_dir / f"tandem-serve{'' if label is None else '-' + label.replace(':', '-')}.log"
+            self.server = ServeProcess(self.serve_args, log_path)
+            started = time.monotonic()
+            startup_s = self.server.wait_serving(min(options.startup_timeout, max(deadline.remaining(), 1.0)))
+            # The extra workers load what the first one loaded, so they follow it within seconds.
+            pids = self.server.wait_workers(workers, min(WORKERS_TIMEOUT_S, max(deadline.remaining(), 1.0)))
+            self.servers[self.key] = {
+                "argv": self.server.argv[1:], "startup_s": startup_s, "stack": dict(self.stack),
+                "frontend_workers": {"requested": workers, "reached": len(pids), "pids": pids,
+                                     "all_listening_s": round(time.monotonic() - started, 3)}}
+            if len(pids) < workers:
+                log.warning("not every frontend worker answered; the levels use those that did",
+                            requested=workers, reached=len(pids))
+        if self.server is None or self.key not in self.servers:
+            return False
         procs = options.resolved_client_procs()
         if procs > 1:
             with record.stage("client_start"):
-                clients = ClientProcesses(server.address, procs)
-            if clients is None:
-                return
-        with record.stage(f"serve_warmup{tag}"):
+                self.clients = ClientProcesses(self.server.address, procs)
+            if self.clients is None:
+                return False
+        with record.stage(f"serve_warmup{self.tag}"):
             t0 = time.perf_counter()
             completed = 0
-            for i, (requests, c) in enumerate(warm):
-                w = run_level(server.address, requests, max(c or len(requests), procs),
+            for i, (requests, c) in enumerate(self.warm):
+                w = run_level(self.server.address, requests, max(c or len(requests), procs),
                               deadline.sub(seconds=options.level_seconds).remaining(), prefix=f"warmup{i}",
-                              worker_pids=worker_pids, clients=clients)
+                              worker_pids=self._worker_pids(), clients=self.clients)
                 completed += w["completed"]
-            info["warmup"] = {"seconds": round(time.perf_counter() - t0, 3), "completed": completed,
-                              "passes": len(warm)}
-        # Every stack and the in-process side share what is left of the budget.
-        sides = 1 + len(options.also_stacks) + (1 if options.in_process else 0)
-        for level, requests, c in _levels_within_budget(record, levels, slices, "served", deadline, label):
-            with record.stage(f"serve_c{c}{tag}"):
-                budget = deadline.sub(seconds=options.level_seconds, fraction=1.0 / sides if sides > 1 else None)
-                before = _engine_counters(server.address)
-                served = run_level(server.address, requests, c, budget.remaining(), prefix=f"c{c}",
-                                   worker_pids=worker_pids, clients=clients)
-                served["engine"] = _engine_delta(before, _engine_counters(server.address), served["elapsed_s"])
-                _slot(level, "served", label)["served"] = served
-                record.incomplete |= served["timed_out"] or bool(served.get("client_errors"))
-                log.info("serve level", stack=stack_label(stack), concurrency=c,
-                         output_tok_s=round(served["output_tokens_per_s"], 1), ttft_p50_ms=served["ttft_ms"]["p50"])
-    finally:
-        if clients is not None:
-            clients.close()
-        rc = server.stop()
-        info["exit_code"] = rc
-        if record.errors:
-            info["log_tail"] = server.log_tail()
+            self.servers[self.key]["warmup"] = {"seconds": round(time.perf_counter() - t0, 3),
+                                                "completed": completed, "passes": len(self.warm)}
+        return True
+
+    def _worker_pids(self) -> list[int]:
+        return self.servers[self.key]["frontend_workers"]["pids"]
+
+    def run_level(self, requests: list[BenchRequest], concurrency: int, budget: Deadline,
+                  prefix: str) -> dict[str, Any]:
+        """One level through the stack: the client's figures and the engine's own step counters."""
+        address = self.server.address
+        before = _engine_counters(address)
+        served = run_level(address, requests, concurrency, budget.remaining(), prefix=prefix,
+                           worker_pids=self._worker_pids(), clients=self.clients)
+        served["engine"] = _engine_delta(before, _engine_counters(address), served["elapsed_s"])
+        return served
+
+    def close(self) -> None:
+        """Stop the client processes and the stack (idempotent)."""
+        if self.clients is not None:
+            self.clients.close()
+            self.clients = None
+        if self.server is None:
+            return
+        rc = self.server.stop()
+        info = self.servers.get(self.key)
+        if info is not None:
+            info["exit_code"] = rc
+            if self.record.errors:
+                info["log_tail"] = self.server.log_tail()
+        self.server = None
 
 
 def _engine_counters(address: str) -> dict[str, float] | None:
@@ -375,39 +472,62 @@ def _engine_delta(before: dict | None, after: dict | None, elapsed_s: float) -> 
             "ms_per_step": round(1000.0 * elapsed_s / steps, 3) if steps else None}
 
 
-def _in_process_levels(record: BenchRecord, engine_config: Any, slices: list[list[BenchRequest]],
-                       warm: list[tuple[list[BenchRequest], int]], options: ServeOptions,
-                       deadline: Deadline) -> None:
-    from tandem.bench.engine_run import reset_prefix_cache, run_engine, warm_up
-    from tandem.bench.hf_peer import release_device_memory
-    from tandem.engine_service.engine import LLMEngine
+class _InProcessSide:
+    """The in-process `LLMEngine` on the same requests: built and warmed up by `open`, measured a
+    level at a time by `run_level` (prefix cache emptied first), released by `close`."""
 
-    res = record.results
-    engine = None
-    with record.stage("in_process_build"):
-        t0 = time.monotonic()
-        engine = LLMEngine(engine_config)
-        res["in_process_engine"] = {"build_s": round(time.monotonic() - t0, 2), "warmup": [
-            warm_up(engine, requests, deadline.sub(seconds=options.level_seconds), concurrency=c or None)
-            for requests, c in warm]}
-    if engine is None:
-        return
-    try:
-        for level, requests, c in _levels_within_budget(record, res["levels"], slices, "in_process", deadline):
-            with record.stage(f"in_process_c{c}"):
-                reset_prefix_cache(engine)
-                run = run_engine(engine, requests, concurrency=c, deadline=deadline.sub(seconds=options.level_seconds),
-                                 record_token_times=True, id_prefix=f"c{c}")
-                level["in_process"] = {"concurrency": c, **run.summary()}
-                record.incomplete |= run.timed_out
-    finally:
-        del engine
+    field = IN_PROCESS
+    label = None
+    name = IN_PROCESS
+
+    def __init__(self, record: BenchRecord, engine_config: Any, warm: list[tuple[list[BenchRequest], int]],
+                 options: ServeOptions) -> None:
+        self.record, self.engine_config, self.warm, self.options = record, engine_config, warm, options
+        self.engine: Any = None
+
+    def stage_name(self, level_tag: str) -> str:
+        return f"in_process_{level_tag}"
+
+    def open(self, deadline: Deadline) -> bool:
+        from tandem.bench.engine_run import warm_up
+        from tandem.engine_service.engine import LLMEngine
+
+        with self.record.stage("in_process_build"):
+            t0 = time.monotonic()
+            self.engine = LLMEngine(self.engine_config)
+            self.record.results["in_process_engine"] = {"build_s": round(time.monotonic() - t0, 2), "warmup": [
+                warm_up(self.engine, requests, deadline.sub(seconds=self.options.level_seconds), concurrency=c or None)
+                for requests, c in self.warm]}
+        return self.engine is not None
+
+    def run_level(self, requests: list[BenchRequest], concurrency: int, budget: Deadline,
+                  prefix: str) -> dict[str, Any]:
+        from tandem.bench.engine_run import reset_prefix_cache, run_engine
+
+        reset_prefix_cache(self.engine)
+        run = run_engine(self.engine, requests, concurrency=concurrency, deadline=budget,
+                         record_token_times=True, id_prefix=prefix)
+        return {"concurrency": concurrency, **run.summary()}
+
+    def close(self) -> None:
+        """Drop the engine and give its device memory back (idempotent)."""
+        from tandem.bench.hf_peer import release_device_memory
+
+        if self.engine is None:
+            return
+        self.engine = None
         release_device_memory()
 
 
 def _compare(res: dict[str, Any]) -> None:
-    """Ratios per level and the gRPC TTFT overhead at concurrency 1, for every served stack."""
+    """Ratios per level and the gRPC TTFT overhead at concurrency 1, for every served stack; with
+    rounds, first each side's medians over the usable rounds (ratio = ratio of the medians)."""
+    sides = [served_name(None), *(served_name(st["label"]) for st in res.get("also_stacks", []))]
+    if res.get("options", {}).get("in_process", True):
+        sides.append(IN_PROCESS)
     for level in res.get("levels", []):
+        if "rounds" in level:
+            summarize_level_rounds(level, sides)
         p = level.get("in_process", {})
         slots = [(level, res)] + [(slot, res.setdefault("also_stack_overheads", {}).setdefault(label, {}))
                                   for label, slot in level.get("served_stacks", {}).items()]
@@ -463,6 +583,42 @@ def short_table(results: dict[str, Any]) -> list[str]:
                      f"{stack.get('engine_transport')}, {stack.get('frontend_workers')} frontend worker(s), "
                      f"{stack.get('client_procs')} client process(es); client cpu = busiest client process")
     lines += spread_lines
+    lines += _rounds_lines(results)
     if "grpc_ttft_overhead_ms_c1" in results:
         lines.append(f"gRPC + frontend TTFT overhead at concurrency 1: {results['grpc_ttft_overhead_ms_c1']:.2f} ms (p50)")
     return lines
+
+
+def _rounds_lines(results: dict[str, Any]) -> list[str]:
+    """With rounds: per level and served stack, the per-round paired ratios (and which side ran
+    first), their median and range, and the rounds left out of the medians."""
+    rounds = (results.get("options") or {}).get("rounds", 1)
+    if rounds <= 1:
+        return []
+    lines = [f"{rounds} rounds, sides alternating; table figures = per-metric medians over the usable rounds, "
+             f"ratio = ratio of the output tok/s medians"]
+    labels = [None, *(st["label"] for st in results.get("also_stacks", []))]
+    for level in results.get("levels", []):
+        for label in labels:
+            spread = _peek(level, label).get("ratio_rounds")
+            per_round = []
+            for entry in level.get("rounds", []):
+                ratio = _peek(entry, label).get("ratio_output_tokens_per_s")
+                first = entry["order"][0].replace("_", "-")
+                per_round.append(f"r{entry['round']} {'-' if ratio is None else format(ratio, '.3f')} ({first} first)")
+            head = f"  c{level['concurrency']}{'' if label is None else ' ' + label}: "
+            summary = "no usable round" if not spread else (
+                f"median {spread['median']:.3f}, min {spread['min']:.3f}, max {spread['max']:.3f} "
+                f"over {len(spread['values'])}")
+            lines.append(head + ", ".join(per_round) + f"; {summary}")
+        cut = [f"r{e['round']} ({', '.join(f'{k}: {v}' for k, v in e['cut_short'].items())})"
+               for e in level.get("rounds", []) if e.get("cut_short")]
+        if cut:
+            lines.append(f"  c{level['concurrency']}: left out of the medians: {'; '.join(cut)}")
+    return lines
+
+
+def _peek(level: dict[str, Any], label: str | None) -> dict[str, Any]:
+    """`_slot(level, "served", label)` for reading: never adds a served_stacks entry."""
+    return level if label is None else (level.get("served_stacks") or {}).get(label) or {}
+

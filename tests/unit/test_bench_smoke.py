@@ -373,6 +373,161 @@ def test_serve_merges_client_processes_over_two_frontend_workers(tmp_path, one_t
     assert spread["connections"] == 3  # one per (process, worker) its slots are meant for
 
 
+def test_serve_rounds_alternate_live_sides_on_fresh_requests(tmp_path, one_torch_thread, monkeypatch):
+    import statistics
+
+    import tandem.bench.hf_peer as hf_peer
+    import tandem.bench.serve as serve_mod
+    import tandem.engine_service.engine as engine_mod
+
+    monkeypatch.setenv("TANDEM_TORCH_THREADS", "1")
+    # What starts and stops, in order: both sides must be alive across the rounds.
+    events: list[str] = []
+
+    class Server(serve_mod.ServeProcess):
+        def __init__(self, *a, **kw):
+            events.append("serve start")
+            super().__init__(*a, **kw)
+
+        def stop(self, *a, **kw):
+            events.append("serve stop")
+            return super().stop(*a, **kw)
+
+    class Engine(engine_mod.LLMEngine):
+        def __init__(self, *a, **kw):
+            events.append("engine build")
+            super().__init__(*a, **kw)
+
+    real_release = hf_peer.release_device_memory
+    monkeypatch.setattr(serve_mod, "ServeProcess", Server)
+    monkeypatch.setattr(engine_mod, "LLMEngine", Engine)
+    monkeypatch.setattr(hf_peer, "release_device_memory", lambda: (events.append("engine release"), real_release()))
+    rc, data = _run_bench("serve", "--model", TINY, "--concurrency", "1,2", "--requests-per-level", "2",
+                          "--rounds", "2", "--scale", "0.03", "--warmup-requests", "1", "--cpu-kv-cache-gb", "0.01",
+                          "--level-seconds", "120", "--out", str(tmp_path))
+    assert rc == 0, data["errors"]
+    assert data["complete"]
+    res = data["results"]
+    assert events == ["serve start", "engine build", "engine release", "serve stop"]
+    assert res["server"]["exit_code"] == 0
+    assert res["options"]["rounds"] == 2 and res["workload"]["num_requests"] == 8  # 2 rounds x (2 + 2)
+    orders = [["served", "in_process"], ["in_process", "served"]]
+    assert [r["order"] for r in res["rounds"]] == orders and [r["round"] for r in res["rounds"]] == [0, 1]
+    assert all(0 < r["seconds"] <= r["budget_s"] for r in res["rounds"])
+    workload = make_workload("nanovllm", vocab_size=320, num_prompts=8, scale=0.03, max_model_len=512).requests
+    for i, level in enumerate(res["levels"]):
+        assert level["concurrency"] == i + 1 and level["num_requests"] == 2
+        entries = level["rounds"]
+        assert [e["round"] for e in entries] == [0, 1] and [e["order"] for e in entries] == orders
+        shares = [workload[4 * r + 2 * i : 4 * r + 2 * i + 2] for r in (0, 1)]
+        # Each round has its own requests (and the token counts checked below tell them apart).
+        counts = [(sum(len(q.prompt_token_ids) for q in sh), sum(q.output_len for q in sh)) for sh in shares]
+        assert counts[0] != counts[1]
+        for entry, share in zip(entries, shares):
+            assert "cut_short" not in entry
+            for side in ("served", "in_process"):
+                figures = entry[side]
+                assert figures["completed"] == 2 and not figures["timed_out"]
+                assert figures["output_tokens"] == sum(q.output_len for q in share)
+                assert figures["input_tokens"] == sum(len(q.prompt_token_ids) for q in share)
+            assert entry["ratio_output_tokens_per_s"] == pytest.approx(
+                entry["served"]["output_tokens_per_s"] / entry["in_process"]["output_tokens_per_s"])
+        assert entries[0]["served"]["engine"]["generation_tokens"] == entries[0]["served"]["output_tokens"]
+        # The level's figures are the medians over the rounds, recomputed here.
+        for side in ("served", "in_process"):
+            med = level[side]
+            assert med["median_of_rounds"] == [0, 1] and not med["timed_out"]
+            for path in (("output_tokens_per_s",), ("elapsed_s",), ("ttft_ms", "p50"), ("ttft_ms", "p99"),
+                         ("tpot_ms", "p50"), ("itl_ms", "p99"), ("e2e_ms", "p50")):
+                values = []
+                for entry in entries:
+                    v = entry[side]
+                    for k in path:
+                        v = v[k]
+                    values.append(v)
+                got = med
+                for k in path:
+                    got = got[k]
+                assert got == pytest.approx(statistics.median(values)), (side, path)
+        assert level["ratio_output_tokens_per_s"] == pytest.approx(
+            level["served"]["output_tokens_per_s"] / level["in_process"]["output_tokens_per_s"])
+        paired = [e["ratio_output_tokens_per_s"] for e in entries]
+        spread = level["ratio_rounds"]
+        assert spread["values"] == pytest.approx(paired) and spread["rounds"] == [0, 1]
+        assert spread["median"] == pytest.approx(statistics.median(paired))
+        assert (spread["min"], spread["max"]) == (min(paired), max(paired))
+    assert res["grpc_ttft_overhead_ms_c1"] == pytest.approx(
+        res["levels"][0]["served"]["ttft_ms"]["p50"] - res["levels"][0]["in_process"]["ttft_ms"]["p50"])
+    from tandem.bench.serve import short_table
+
+    table = "\n".join(short_table(res))
+    assert "2 rounds" in table and "(in-process first)" in table and "(served first)" in table
+
+
+def test_serve_rounds_schedule_slices_and_medians_without_cut_short_rounds():
+    from tandem.bench.serve_rounds import Step, round_slices, schedule, summarize_level_rounds
+
+    # One round: each side opens, runs and closes before the next (the run before rounds).
+    assert schedule(["served", "in_process"], 1) == [
+        Step("open", "served"), Step("run", "served", 0), Step("close", "served"),
+        Step("open", "in_process"), Step("run", "in_process", 0), Step("close", "in_process")]
+    # More: all open first, the order reverses each round, all close last.
+    steps = schedule(["served", "served[thread:stream:1]", "in_process"], 3)
+    assert [s.action for s in steps[:3]] == ["open"] * 3 and [s.action for s in steps[-3:]] == ["close"] * 3
+    assert [(s.round, s.side) for s in steps[3:-3]] == [
+        (0, "served"), (0, "served[thread:stream:1]"), (0, "in_process"),
+        (1, "in_process"), (1, "served[thread:stream:1]"), (1, "served"),
+        (2, "served"), (2, "served[thread:stream:1]"), (2, "in_process")]
+    with pytest.raises(ValueError):
+        schedule(["served"], 0)
+    slices = round_slices(list(range(10)), [1, 2], 3)
+    assert slices == [[[0], [1, 2]], [[3], [4, 5]], [[6], [7, 8]]]
+    with pytest.raises(ValueError):
+        round_slices(list(range(8)), [1, 2], 3)
+
+    def figures(tok_s: float, ttft_p99: float, **extra) -> dict:
+        return {"num_requests": 4, "completed": 4, "timed_out": False, "output_tokens_per_s": tok_s,
+                "ttft_ms": {"p50": ttft_p99 / 2, "p99": ttft_p99}, **extra}
+
+    level = {"concurrency": 64, "num_requests": 4, "rounds": [
+        {"round": 0, "order": ["served", "in_process"], "served": figures(90.0, 10.0), "in_process": figures(100.0, 8.0)},
+        {"round": 1, "order": ["in_process", "served"], "served": figures(99.0, 30.0), "in_process": figures(90.0, 6.0)},
+        # Cut short on one side: out of both sides' medians, still shown.
+        {"round": 2, "order": ["served", "in_process"], "served": figures(50.0, 99.0, timed_out=True),
+         "in_process": figures(100.0, 7.0)},
+        {"round": 3, "order": ["in_process", "served"], "served": figures(96.0, 20.0),
+         "in_process": {"status": "skipped", "reason": "time"}},
+        {"round": 4, "order": ["served", "in_process"], "served": figures(100.0, 40.0), "in_process": figures(80.0, 9.0)},
+    ]}
+    summarize_level_rounds(level, ["served", "in_process"])
+    rounds = level["rounds"]
+    assert rounds[2]["cut_short"] == {"served": "timed out"} and rounds[3]["cut_short"] == {"in_process": "skipped"}
+    assert all("cut_short" not in rounds[r] for r in (0, 1, 4))
+    assert level["served"]["median_of_rounds"] == level["in_process"]["median_of_rounds"] == [0, 1, 4]
+    assert level["served"]["output_tokens_per_s"] == 99.0 and level["in_process"]["output_tokens_per_s"] == 90.0
+    assert level["served"]["ttft_ms"] == {"p50": 15.0, "p99": 30.0}  # each field's own median
+    assert rounds[2]["ratio_output_tokens_per_s"] == 0.5  # shown, not counted
+    assert level["ratio_rounds"] == {"median": 1.1, "min": 0.9, "max": 1.25, "rounds": [0, 1, 4],
+                                     "values": [0.9, 1.1, 1.25]}
+    # No usable round: no median, so no ratio.
+    empty = {"concurrency": 1, "num_requests": 4, "rounds": [
+        {"round": 0, "order": ["served", "in_process"], "served": figures(1.0, 1.0), "in_process": None}]}
+    summarize_level_rounds(empty, ["served", "in_process"])
+    assert empty["served"]["status"] == "no usable round" and "ratio_rounds" not in empty
+
+
+def test_serve_rounds_on_a_gpu_need_a_fixed_kv_pool():
+    from tandem.bench.results import Deadline, new_record
+    from tandem.bench.serve import ServeOptions, run_serve
+    from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    record = new_record("serve", TINY, {}, device="cpu")
+    config = EngineConfig(ModelConfig(model=TINY, device="cuda"), CacheConfig(), SchedulerConfig())
+    with pytest.raises(ValueError, match="--num-kv-blocks"):
+        run_serve(record, config, [], ServeOptions(rounds=2), Deadline(10.0))
+    assert "levels" not in record.results  # refused before anything started
+
+
 def test_slot_plans_spread_concurrency_over_processes_and_workers():
     from tandem.bench.serve_client import auto_client_procs, plan_slots
 
@@ -507,6 +662,33 @@ def test_report_tables_carry_device_commit_workload_and_ratio(tmp_path):
     assert "1.25 ms" in text and "9.50 ms" in text
     assert "](benchmarks_decode.png)" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_shows_the_median_ratio_of_a_run_in_rounds_beside_a_single_run(tmp_path):
+    from tandem.bench.report import build_report
+
+    results = tmp_path / "results"
+    results.mkdir()
+    stack = {"engine_core": "process", "engine_transport": "mux", "frontend_workers": 4, "client_procs": 4}
+    single = {"workload": {"name": "nanovllm"}, "served_stack": stack, "options": {"rounds": 1},
+              "levels": [{"concurrency": 64, "num_requests": 768,
+                          "served": {"completed": 768, "output_tokens_per_s": 9000.0},
+                          "in_process": {"output_tokens_per_s": 10000.0}, "ratio_output_tokens_per_s": 0.9}]}
+    rounds = json.loads(json.dumps(single))
+    rounds["options"]["rounds"] = 3
+    rounds["levels"][0]["ratio_output_tokens_per_s"] = 0.97
+    rounds["levels"][0]["ratio_rounds"] = {"median": 0.96, "min": 0.93, "max": 1.01, "rounds": [0, 1, 2],
+                                           "values": [0.93, 0.96, 1.01]}
+    for name, doc, stamp in (("serve-qwen3-0.6b-1.json", single, "2030-01-01T00:00:00Z"),
+                             ("serve-qwen3-0.6b-2.json", rounds, "2030-01-01T00:00:01Z")):
+        (results / name).write_text(json.dumps(_synthetic("serve", "dummy:qwen3-0.6b", doc, stamp)))
+    md = tmp_path / "benchmarks.md"
+    build_report(results, md, tmp_path / "plot.png")
+    rows = [line for line in md.read_text().splitlines() if line.startswith("| `dummy:") and "| mux |" in line]
+    assert len(rows) == 2  # the run in rounds does not replace the single run's row
+    assert any("0.90×" in r and "rounds" not in r for r in rows)
+    assert any("0.97× (medians of 3 rounds; per round median 0.96×, 0.93–1.01×)" in r for r in rows)
+    assert "1 levels, 3 rounds" in md.read_text()
 
 
 def test_report_without_results_says_not_measured(tmp_path):
