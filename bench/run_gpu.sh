@@ -2,6 +2,7 @@
 # One GPU session's measurements: install the carried wheels (see bench/results/README.md), then
 # run the named part(s) with a time bound each. Results land in $OUT (or ./gpu-out).
 # Usage on the GPU machine: bash bench/run_gpu.sh parity roofline serve-mux | throughput serve
+# (hybrid parts: roofline-next, throughput-next, prefix-next)
 # (serving parts: serve, serve-mux, serve-scale, serve-scale-stream, serve-alt)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -25,6 +26,17 @@ for part in "$@"; do
     throughput) timeout 200 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload nanovllm --peer-num-prompts 64 --max-seconds 185 --out "$OUT" ;;
     # 1000 x 1024/1024: the engine may take 70 % of the time left, the 8-request peer the rest.
     random-1k) timeout 580 $PY -m tandem.cli bench throughput --model dummy:qwen3-0.6b --workload random-1k --peer-num-prompts 8 --engine-share 0.7 --max-seconds 560 --out "$OUT" ;;
+    # Hybrid (Issue #11 acceptance 4): Qwen3-Next layer shapes, 12 layers (9 GDN + 3 gated attention,
+    # MoE everywhere). Floor = active experts' weights + K/V of the attention layers + state slots
+    # read and written back; prefill MFU at the default shapes (8x1024, 1x8192).
+    roofline-next) timeout 225 $PY -m tandem.cli bench roofline --model dummy:qwen3-next-80b-a3b --max-model-len 8192 --batches 1,64,256 --contexts 1024,8192 --max-seconds 200 --out "$OUT" ;;
+    # The same model against the HF peer on a 16-request subset: transformers' continuous batching
+    # cannot serve linear_attention layers, so the peer runs static left-padded generate batches
+    # (peer.mode / peer.mode_reason / peer.linear_attention_kernels in the JSON say so).
+    throughput-next) timeout 340 $PY -m tandem.cli bench throughput --model dummy:qwen3-next-80b-a3b --max-model-len 4096 --workload nanovllm --num-prompts 128 --peer-num-prompts 16 --peer-static-batch-size 16 --max-seconds 310 --out "$OUT" ;;
+    # Prefix-cache hit rates of a hybrid (state checkpoints) against its all-full-attention twin, and
+    # the no-reuse cost of keeping checkpoints.
+    prefix-next) timeout 450 $PY -m tandem.cli bench prefix --model dummy:qwen3.5-9b --max-model-len 8192 --max-seconds 420 --out "$OUT" ;;
     # Host time per step with a model-free runner, against the Qwen3-8B batch-256 step (roofline).
     overhead) timeout 120 $PY -m tandem.cli bench overhead --batches 64,256 --gpu-step-ms "${GPU_STEP_MS:-16.4}" --out "$OUT" ;;
     # Issue 11: the hybrid models against transformers' own classes (reference vs Triton eager vs graphs), in parallel.

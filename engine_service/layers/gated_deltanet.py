@@ -76,6 +76,16 @@ class GatedDeltaNetShape:
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
 
+    def matmul_params(self) -> int:
+        """Weights of the layer's projections (what `GatedDeltaNet.__init__` builds): the input
+        projections of q, k, v, z, b, a (packed or split, the same count) and `out_proj`."""
+        h = self.hidden_size
+        return h * (2 * self.key_dim + 2 * self.value_dim + 2 * self.num_v_heads) + self.value_dim * h
+
+    def other_params(self) -> int:
+        """The layer's other weights: conv1d taps, `dt_bias`, `A_log` and the gated norm's scale."""
+        return self.conv_dim * self.conv_kernel + 2 * self.num_v_heads + self.head_v_dim
+
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-request state: conv state `[conv_dim, W - 1]`, recurrent state `[HV, K, V]`."""
         return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)

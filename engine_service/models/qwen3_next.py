@@ -90,6 +90,25 @@ class HybridConfig:
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
 
+    @property
+    def moe(self) -> MoeSpec | None:
+        """The sparse feed-forward as a `MoeSpec` (None when no layer is sparse), the form the
+        roofline's accounting reads for every MoE model."""
+        if not any(self.moe_layers):
+            return None
+        return MoeSpec(self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size, self.norm_topk_prob,
+                       self.moe_layers, self.shared_expert_intermediate_size)
+
+
+def hybrid_cache_layout(cfg: HybridConfig, dtype: str) -> CacheLayout:
+    """A `full_attention` paged group over the attention layers and a state group over the GDN
+    layers (conv state in `dtype`, recurrent state in float32)."""
+    groups = [CacheGroup(FULL, FullAttentionSpec(cfg.num_key_value_heads, cfg.head_dim, dtype), cfg.attention_layers)]
+    if cfg.linear_layers:
+        spec = StateSpec(cfg.gdn.state_shapes(), (dtype, "float32"))
+        groups.append(CacheGroup(STATE_GROUP, spec, cfg.linear_layers))
+    return CacheLayout(tuple(groups))
+
 
 def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The text model's config: `text_config` of a vision-language wrapper, else `hf` itself.
@@ -235,15 +254,9 @@ class Qwen3NextForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def cache_layout(self, dtype: str) -> CacheLayout:
-        """A `full_attention` paged group over the attention layers and a state group over the GDN
-        layers (conv state in `dtype`, recurrent state in float32)."""
-        cfg = self.config
-        groups = [CacheGroup(FULL, FullAttentionSpec(cfg.num_key_value_heads, cfg.head_dim, dtype),
-                             cfg.attention_layers)]
-        if cfg.linear_layers:
-            spec = StateSpec(cfg.gdn.state_shapes(), (dtype, "float32"))
-            groups.append(CacheGroup(STATE_GROUP, spec, cfg.linear_layers))
-        return CacheLayout(tuple(groups))
+        """See `hybrid_cache_layout` (a function of the config, so the roofline's accounting reads
+        the same state shapes and dtypes without building the model)."""
+        return hybrid_cache_layout(self.config, dtype)
 
     @classmethod
     def moe_layers_from_hf(cls, hf: Mapping[str, Any]) -> tuple[bool, ...]:

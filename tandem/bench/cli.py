@@ -137,6 +137,9 @@ def add_bench_parser(sub: Any) -> None:
     g.add_argument("--peer-cb", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="a ContinuousBatchingConfig field for the peer (repeatable)")
     g.add_argument("--warmup-requests", type=int, default=8)
+    g.add_argument("--peer-static-batch-size", type=int, default=64,
+                   help="requests per model.generate batch when the peer cannot use continuous batching "
+                        "(hybrid models; default: %(default)s)")
     g.add_argument("--engine-share", type=float, default=0.45,
                    help="fraction of the time left that the engine's full-workload run may take; the rest "
                         "goes to the peer subset and the peer (default: %(default)s)")
@@ -342,7 +345,8 @@ def _throughput(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline
     options = throughput.ThroughputOptions(
         workload=args.workload, num_prompts=args.num_prompts, scale=args.scale, peer=not args.no_peer,
         peer_num_prompts=args.peer_num_prompts, warmup_requests=args.warmup_requests,
-        peer_cb_config=dict(args.peer_cb) or None, engine_share=args.engine_share)
+        peer_cb_config=dict(args.peer_cb) or None, engine_share=args.engine_share,
+        peer_static_batch_size=args.peer_static_batch_size)
     throughput.run_throughput(record, engine_config_from_args(args), options, deadline)
     return throughput.short_table
 

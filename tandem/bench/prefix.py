@@ -220,7 +220,11 @@ def run_prefix(record: BenchRecord, config: Any, opts: PrefixOptions, deadline: 
         best = {mode: {k: max(r[k] for r in runs[mode]) for k in ("output_tokens_per_s", "total_tokens_per_s")}
                 for mode in runs}
         res["noreuse"]["best"] = best
-        res["noreuse"]["cost"] = {k: 1.0 - best["on"][k] / best["off"][k] for k in best["on"]}
+        if all(best["off"][k] > 0 for k in best["off"]):
+            res["noreuse"]["cost"] = {k: 1.0 - best["on"][k] / best["off"][k] for k in best["on"]}
+        else:  # the deadline stopped the runs without prefix caching before any token: nothing to compare
+            res["noreuse"]["cost_unavailable"] = "no token without prefix caching (out of time)"
+            record.incomplete = True
 
 
 def short_table(results: dict[str, Any]) -> list[str]:

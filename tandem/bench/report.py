@@ -5,9 +5,9 @@ row carries the device, library versions, git commit, workload and the ratio to 
 
 | table | anchor | ratio |
 |---|---|---|
-| decode step | floor = (weight + KV bytes) / measured HBM bandwidth | floor / measured |
+| decode step | floor = (weight + KV + state bytes) / measured HBM bandwidth | floor / measured |
 | prefill | measured bf16 matmul rate | MFU |
-| offline throughput | HF continuous batching, same weights and requests | ours / peer (output tok/s) |
+| offline throughput | HF continuous batching (static `generate` batches for models it cannot serve), same weights and requests | ours / peer (output tok/s) |
 | serving | in-process engine, same requests and concurrency | served / in-process (output tok/s) |
 
 Nothing is ever filled in by hand: a table without results says "not measured yet".
@@ -189,6 +189,13 @@ def throughput_rows(records: list[Record]) -> list[list[Any]]:
             notes.append("partial: timed out")
         if "output_tokens_per_s" not in peer:
             notes.append("peer: " + (peer.get("status") or "failed (see errors)"))
+        if peer.get("mode") == "generate_static_batches":
+            notes.append(f"peer: static generate batches of {peer.get('batch_size')} (continuous batching cannot "
+                         "serve this model)")
+            kernels = peer.get("linear_attention_kernels") or {}
+            if kernels and not all(kernels.values()):
+                notes.append("peer GDN kernels: PyTorch fallback (" + ", ".join(k for k, v in kernels.items() if not v)
+                             + " missing)")
         attn = peer.get("attn_implementation")
         if attn:
             notes.append(f"peer attn {attn}")
@@ -448,13 +455,16 @@ def render_markdown(records: list[Record], plot_name: str | None) -> str:
         "Models use dummy (random) weights in the real configurations. Each table shows the "
         "latest result per model and device; every run is listed under History.",
         "",
-        "Anchors: the decode floor is (weight bytes + KV bytes read) ÷ the HBM bandwidth measured "
+        "Anchors: the decode floor is (weight bytes + KV bytes read, + for hybrid models each "
+        "sequence's recurrent/conv state read and written back) ÷ the HBM bandwidth measured "
         "in the same run (device-to-device copy, bytes read + written); prefill MFU divides the "
         "step's FLOPs (2 × matmul weights × tokens, the LM head for sampled rows, causal "
-        "attention) by the bf16 8192³ matmul rate measured in the same run; offline throughput "
+        "attention, the Gated DeltaNet convolution and chunked delta rule) by the bf16 8192³ matmul "
+        "rate measured in the same run; offline throughput "
         "is compared with Hugging Face continuous batching (`generate_batch`'s manager, per-request "
-        "output lengths, EOS ignored) on the same weights and requests; serving is compared with "
-        "the in-process engine on the same requests at the same concurrency.",
+        "output lengths, EOS ignored) on the same weights and requests — for models it cannot serve "
+        "(hybrids), with static left-padded `model.generate` batches (noted per row); serving is "
+        "compared with the in-process engine on the same requests at the same concurrency.",
         "",
         "A serving run has a primary served stack and any stacks measured beside it in the same call "
         "(`--also-stack CORE:TRANSPORT:WORKERS`): the engine core's place (`--engine-core`: its own "

@@ -10,9 +10,12 @@
    manager leaves them), applied to a `StepWorker`'s rows — no scheduler or block manager.
 3. Decode: one new token per sequence at each (batch, context) point, timed through
    `StepWorker.execute` (host inputs from the rows + forward + logits; CUDA-graph replay when
-   the runner does it). Floor = (weight bytes + KV bytes) / measured bandwidth (`accounting.py`;
-   windowed layers count only the window's K/V; MoE layers only the routed experts a batch is
-   expected to touch under uniform routing, `E(1-(1-k/E)^B)`).
+   the runner does it). Floor = (weight bytes + KV bytes + state bytes) / measured bandwidth
+   (`accounting.py`; windowed layers count only the window's K/V; MoE layers only the routed
+   experts a batch is expected to touch under uniform routing, `E(1-(1-k/E)^B)`; hybrid models
+   K/V of their attention layers only, and each sequence's state slot read and written back).
+   In a hybrid model every sequence holds its own state slot (`fake_plan`'s `num_state_slots`);
+   a decode continues whatever the slot holds, which does not change the work.
 4. Prefill: one batch of fresh sequences (e.g. 8 x 1024 = 8k tokens); MFU = FLOPs / time /
    measured matmul rate.
 
@@ -35,18 +38,20 @@ import structlog
 import torch
 
 from tandem.bench.accounting import (
-    shape_from_hf_config,
+    attention_windows,
     decode_experts_read,
     decode_floor_s,
     decode_kv_bytes,
+    decode_state_bytes,
     decode_weight_bytes,
     kv_bytes_per_token,
     prefill_flops,
+    shape_from_hf_config,
+    state_bytes_per_request,
     total_params,
 )
 from tandem.bench.results import BenchRecord, Deadline
 from tandem.bench.timing import cuda_time, require_cuda
-from tandem.engine_service.models.llama import DecoderConfig
 
 log = structlog.get_logger(__name__)
 
@@ -136,9 +141,13 @@ def live_blocks_per_seq(context: int, num_new_tokens: int, block_size: int, wind
     return width, width - first
 
 
+class StateSlotsExceeded(ValueError):
+    """A fake batch has more sequences than the runner has state slots."""
+
+
 def fake_plan(num_seqs: int, context: int, num_new_tokens: int, block_size: int, num_blocks: int,
               vocab_size: int, rng: np.random.Generator, alias: bool = False, tag: str = "",
-              window: int | None = None, num_groups: int = 1) -> tuple[Any, bool]:
+              window: int | None = None, num_groups: int = 1, num_state_slots: int = 0) -> tuple[Any, bool]:
     """A step plan of `num_seqs` new requests of `context` tokens whose last `num_new_tokens`
     are to be run (the rest counted as computed).
 
@@ -147,6 +156,11 @@ def fake_plan(num_seqs: int, context: int, num_new_tokens: int, block_size: int,
     before them given back (`NULL_BLOCK`). Every one of `num_groups` paged groups gets the same
     table (the roofline sizes every group's pool alike). Returns the plan and whether blocks
     had to be shared (only with `alias`; otherwise a pool too small raises `ValueError`).
+
+    A model with state groups (`num_state_slots` > 0, see `num_state_slots`) gets request i in
+    state slot i: distinct slots, never shared (state is per request, so there is no aliasing);
+    more sequences than slots raise `StateSlotsExceeded` (a `ValueError`). A decode request
+    continues whatever its slot holds (`num_computed_tokens > 0`), which is fine for timing.
     """
     from tandem.core_protocol import SamplingParams
     from tandem.engine_service.kv_cache import NULL_BLOCK
@@ -158,6 +172,8 @@ def fake_plan(num_seqs: int, context: int, num_new_tokens: int, block_size: int,
     aliased = num_seqs * per_seq > num_blocks
     if aliased and not alias:
         raise ValueError(f"{num_seqs} x {context} tokens need {num_seqs * per_seq} blocks; the pool has {num_blocks}")
+    if num_state_slots and num_seqs > num_state_slots:
+        raise StateSlotsExceeded(f"{num_seqs} sequences need {num_seqs} state slots; the runner has {num_state_slots}")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     requests = []
     for i in range(num_seqs):
@@ -175,6 +191,7 @@ def fake_plan(num_seqs: int, context: int, num_new_tokens: int, block_size: int,
             num_computed_tokens=context - num_new_tokens,
             num_scheduled_tokens=num_new_tokens,
             sample=True,
+            state_slot=i if num_state_slots else None,
         ))
     return StepPlan(step_id=0, new_requests=requests, num_cache_groups=num_groups), aliased
 
@@ -276,6 +293,13 @@ def num_paged_groups(runner: Any) -> int:
     return len(plan.paged_groups) if plan is not None else 1
 
 
+def num_state_slots(runner: Any) -> int:
+    """The runner's request state slots (0 for a model without state groups, or a stand-in
+    runner without a memory plan): what `fake_plan`'s `num_state_slots` takes."""
+    plan = getattr(runner, "memory_plan", None)
+    return plan.num_state_slots if plan is not None else 0
+
+
 def module_param_count(model: torch.nn.Module) -> int:
     """Parameters of the built module, tied ones once."""
     return sum(p.numel() for p in model.parameters())
@@ -285,26 +309,29 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def uniform_window(shape: DecoderConfig) -> int | None:
-    """The window when every layer attends over the same one (so whole blocks can be given
-    back), else None."""
-    windows = set(shape.windows)
+def uniform_window(shape: Any) -> int | None:
+    """The window when every attention layer attends over the same one (so whole blocks can be
+    given back), else None."""
+    windows = set(attention_windows(shape))
     return windows.pop() if len(windows) == 1 else None
 
 
-def plan_num_blocks(shape: DecoderConfig, dtype_bytes: int, block_size: int, options: RooflineOptions,
-                    free_bytes: int, max_model_len: int) -> dict[str, int]:
-    """KV blocks to allocate (per paged group): enough for the largest point, at most what memory allows."""
+def plan_num_blocks(shape: Any, dtype_bytes: int, block_size: int, options: RooflineOptions,
+                    free_bytes: int, max_model_len: int, num_state_slots: int = 0) -> dict[str, int]:
+    """KV blocks to allocate (per paged group): enough for the largest point, at most what memory
+    allows once the weights, the headroom and `num_state_slots` request state slots (plus the
+    scratch slot) are set aside."""
     per_block = kv_bytes_per_token(shape, dtype_bytes) * block_size
     contexts = [c for c in options.contexts if c <= max_model_len]
     window = uniform_window(shape)
     need = max([b * live_blocks_per_seq(c, 1, block_size, window)[1] for b in options.batches for c in contexts]
                + [n * -(-L // block_size) for n, L in options.prefill_shapes] + [2])
     weights = total_params(shape) * dtype_bytes
-    budget = free_bytes - weights - int(options.headroom_gib * GIB)
+    state = (num_state_slots + 1) * state_bytes_per_request(shape, dtype_bytes) if num_state_slots else 0
+    budget = free_bytes - weights - state - int(options.headroom_gib * GIB)
     fit = max(budget // per_block, 0)
     return {"needed_blocks": need, "fit_blocks": int(fit), "num_blocks": int(max(min(need, fit), 2)),
-            "bytes_per_block": per_block}
+            "bytes_per_block": per_block, "state_pool_bytes": state}
 
 
 # -- the sweep -----------------------------------------------------------------------------------
@@ -336,14 +363,19 @@ def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptio
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    plan = plan_num_blocks(shape, dtype_bytes, engine_config.cache.block_size, options, free, max_len)
-    res["kv_plan"] = {**plan, "free_bytes_before_model": free, "device_total_bytes": total}
-    if engine_config.cache.num_blocks is None:  # --num-kv-blocks, when given, wins
-        engine_config.cache.num_blocks = plan["num_blocks"]
-    res["kv_plan"]["allocated_blocks"] = engine_config.cache.num_blocks
     engine_config.scheduler.max_num_seqs = max(engine_config.scheduler.max_num_seqs, max(options.batches))
     engine_config.scheduler.max_num_batched_tokens = max(
         engine_config.scheduler.max_num_batched_tokens, max(n * L for n, L in options.prefill_shapes))
+    # Fake batches never hit the prefix cache: a model with state would only lose memory to
+    # state checkpoint slots (and the state slots, one per max_num_seqs, are planned for below).
+    engine_config.cache.enable_prefix_caching = False
+    slots = engine_config.scheduler.max_num_seqs if state_bytes_per_request(shape, dtype_bytes) else 0
+    plan = plan_num_blocks(shape, dtype_bytes, engine_config.cache.block_size, options, free, max_len, slots)
+    res["kv_plan"] = {**plan, "free_bytes_before_model": free, "device_total_bytes": total,
+                      "prefix_caching": "off (fake batches; no state checkpoint slots)"}
+    if engine_config.cache.num_blocks is None:  # --num-kv-blocks, when given, wins
+        engine_config.cache.num_blocks = plan["num_blocks"]
+    res["kv_plan"]["allocated_blocks"] = engine_config.cache.num_blocks
 
     runner = None
     with record.stage("build_runner", reraise=False):
@@ -358,6 +390,7 @@ def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptio
             "params_from_config": total_params(shape),
             "params_in_module": built,
             "kv_bytes_per_token": kv_bytes_per_token(shape, dtype_bytes),
+            "state_bytes_per_request": state_bytes_per_request(shape, dtype_bytes),
             "decode_weight_bytes_batch1": decode_weight_bytes(shape, 1, dtype_bytes),
         }
         if built != total_params(shape):
@@ -389,17 +422,20 @@ def _point_base(**kw: Any) -> dict[str, Any]:
     return {"status": "ok", **kw}
 
 
-def _decode_point(worker: Any, shape: DecoderConfig, dtype_bytes: int, batch: int, context: int,
+def _decode_point(worker: Any, shape: Any, dtype_bytes: int, batch: int, context: int,
                   bandwidth: float | None, options: RooflineOptions, deadline: Deadline, rng: np.random.Generator,
                   max_len: int, record: BenchRecord) -> dict[str, Any]:
     weight_bytes = decode_weight_bytes(shape, batch, dtype_bytes)
     kv_bytes = decode_kv_bytes(shape, batch, context, dtype_bytes)
+    state_bytes = decode_state_bytes(shape, batch, dtype_bytes)
     point = _point_base(batch=batch, context=context, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+    if state_bytes:  # models with recurrent state: each slot read and written back
+        point["state_bytes"] = state_bytes
     experts = decode_experts_read(shape, batch)
     if experts is not None:  # MoE: the floor counts these routed experts per sparse layer
         point["experts_read_per_layer"] = round(experts, 2)
     if bandwidth:
-        point["floor_ms"] = decode_floor_s(weight_bytes, kv_bytes, bandwidth) * 1e3
+        point["floor_ms"] = decode_floor_s(weight_bytes, kv_bytes, bandwidth, state_bytes) * 1e3
     if context > max_len:
         return {**point, "status": "skipped", "reason": f"context {context} > max_model_len {max_len}"}
     if deadline.remaining() < 1.0:
@@ -408,15 +444,17 @@ def _decode_point(worker: Any, shape: DecoderConfig, dtype_bytes: int, batch: in
     try:
         plan, aliased = fake_plan(batch, context, 1, runner.block_size, runner.num_blocks, runner.vocab_size, rng,
                                   alias=options.kv_aliasing, tag=f"-d{batch}x{context}", window=uniform_window(shape),
-                                  num_groups=num_paged_groups(runner))
+                                  num_groups=num_paged_groups(runner), num_state_slots=num_state_slots(runner))
+    except StateSlotsExceeded as exc:
+        return {**point, "status": "skipped", "reason": f"state slots: {exc}"}
     except ValueError as exc:
         need = batch * context * kv_bytes_per_token(shape, dtype_bytes)
         return {**point, "status": "skipped",
                 "reason": f"KV does not fit: {exc} ({need / 1e9:.1f} GB of KV); --kv-aliasing runs it with shared blocks"}
     planned = PlannedBatch(worker, plan)
     try:
-        return _time_decode(runner, planned, point, aliased, batch, context, weight_bytes + kv_bytes, options,
-                            deadline, record)
+        return _time_decode(runner, planned, point, aliased, batch, context, weight_bytes + kv_bytes + state_bytes,
+                            options, deadline, record)
     finally:
         planned.release()
 
@@ -451,7 +489,7 @@ def _time_decode(runner: Any, planned: PlannedBatch, point: dict[str, Any], alia
     return point
 
 
-def _prefill_point(worker: Any, shape: DecoderConfig, num_seqs: int, seq_len: int, matmul_rate: float | None,
+def _prefill_point(worker: Any, shape: Any, num_seqs: int, seq_len: int, matmul_rate: float | None,
                    options: RooflineOptions, deadline: Deadline, rng: np.random.Generator, max_len: int,
                    record: BenchRecord) -> dict[str, Any]:
     flops = prefill_flops(shape, [seq_len] * num_seqs)
@@ -465,7 +503,8 @@ def _prefill_point(worker: Any, shape: DecoderConfig, num_seqs: int, seq_len: in
     planned = None
     try:
         plan, _ = fake_plan(num_seqs, seq_len, seq_len, runner.block_size, runner.num_blocks, runner.vocab_size,
-                            rng, alias=False, tag=f"-p{num_seqs}x{seq_len}", num_groups=num_paged_groups(runner))
+                            rng, alias=False, tag=f"-p{num_seqs}x{seq_len}", num_groups=num_paged_groups(runner),
+                            num_state_slots=num_state_slots(runner))
         planned = PlannedBatch(worker, plan)
         t = cuda_time(planned.execute, runner.device, warmup=2, reps=options.reps,
                       budget_s=min(options.point_seconds, max(deadline.remaining(), 0.5)))

@@ -7,9 +7,11 @@ One call, one model, one workload:
 2. When the peer runs on a subset (`peer_num_prompts`, because transformers is slower), the
    engine runs that same subset too (prefix cache reset first), so the ratio compares equal
    work; the full-workload figure stays the headline.
-3. The engine's KV pool is released, a Hugging Face model is built from the same config, the
-   engine's weights are copied into it and checked on one prompt's logits, the engine is
-   freed, and the peer runs the same requests (`hf_peer.py`).
+3. The engine's caches are shrunk (KV pools, state pools), a Hugging Face model is built from
+   the same config, the engine's weights are copied into it and checked on one prompt's logits,
+   the engine is freed, and the peer runs the same requests (`hf_peer.py`): through transformers'
+   continuous batching, or, for models it cannot serve (hybrids), static `generate` batches; the
+   result's `peer.mode` / `peer.mode_reason` say which and why.
 
 ratio = engine output tok/s / peer output tok/s on the same requests.
 """
@@ -41,6 +43,7 @@ class ThroughputOptions:
     peer_num_prompts: int | None = None  # None: the whole workload
     warmup_requests: int = 8
     peer_cb_config: dict[str, Any] | None = None  # ContinuousBatchingConfig fields for the peer
+    peer_static_batch_size: int = 64  # requests per generate batch, for models CB cannot serve
     engine_share: float = 0.45  # of the time left, for the engine's full-workload run (with a peer)
 
 
@@ -110,7 +113,8 @@ def run_throughput(record: BenchRecord, engine_config: Any, options: ThroughputO
         if cb is None and hf.device.type == "cpu":
             cb = _small_cb_config(peer_workload)  # auto-sizing from host RAM is slow and pointless here
         peer = run_hf_peer(hf, peer_workload.requests, deadline,
-                           warmup_requests(peer_workload.params["vocab_size"], min(options.warmup_requests, 4)), cb)
+                           warmup_requests(peer_workload.params["vocab_size"], min(options.warmup_requests, 4)), cb,
+                           static_batch_size=options.peer_static_batch_size)
         peer["workload"] = peer_workload.describe()
         peer["subset_of_workload"] = peer_workload is not workload
         res["peer"] = {**res.get("peer", {}), **peer}
@@ -128,12 +132,10 @@ def run_throughput(record: BenchRecord, engine_config: Any, options: ThroughputO
 
 
 def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
-    """Free the engine's KV pool, build the HF twin, copy weights, check logits; returns it."""
-    import torch
-
+    """Free the engine's caches, build the HF twin, copy weights, check logits; returns it."""
     from tandem.bench.hf_peer import build_hf_model, compare_logits, copy_weights_to_hf, hf_last_logits, \
         release_device_memory
-    from tandem.bench.roofline import PlannedBatch, fake_plan, make_worker, num_paged_groups
+    from tandem.bench.roofline import PlannedBatch, fake_plan, make_worker, num_paged_groups, num_state_slots
     from tandem.engine_service.loader import resolve_model
 
     res = record.results
@@ -145,10 +147,7 @@ def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
         # captured graphs hold the pool (and their own memory pool) too: they go first.
         if getattr(runner, "cuda_graphs", None) is not None:
             runner.cuda_graphs = None
-        old = runner.kv_caches
-        runner.kv_caches = [torch.zeros((t.shape[0], small_blocks, *t.shape[2:]), dtype=t.dtype, device=t.device)
-                            for t in old]
-        del old
+        res.setdefault("engine", {})["caches_after_peer_release"] = shrink_engine_caches(runner, small_blocks, 1)
         release_device_memory()
     hf = None
     with record.stage("peer_build"):
@@ -163,8 +162,8 @@ def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
         return None
     with record.stage("peer_verify"):
         rng = np.random.default_rng(1234)
-        plan, _ = fake_plan(1, prompt_len, prompt_len, runner.block_size, small_blocks, runner.vocab_size, rng,
-                            num_groups=num_paged_groups(runner))
+        plan, _ = fake_plan(1, prompt_len, prompt_len, runner.block_size, runner.num_blocks, runner.vocab_size, rng,
+                            num_groups=num_paged_groups(runner), num_state_slots=num_state_slots(runner))
         planned = PlannedBatch(make_worker(runner), plan)
         ours = planned.execute()[0]
         planned.release()
@@ -174,6 +173,38 @@ def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
         if not check["verified"]:
             raise AssertionError(f"engine and HF logits disagree on the same weights: {check}")
     return hf
+
+
+def shrink_engine_caches(runner: Any, num_blocks: int, num_slots: int) -> dict[str, Any]:
+    """Replace every cache tensor of `runner` by a small zeroed one, so the HF peer gets the memory
+    back: paged K/V (`[2, blocks, ...]`) and latent (`[blocks, ...]`) tensors keep `num_blocks`
+    blocks (the last one is then the scratch block), state pools `num_slots` request slots plus
+    the scratch slot (no checkpoint slots); layers without a cache stay None. The memory plan is
+    replaced to match, so `num_state_slots(runner)` and the scratch slot describe what is left.
+    Only for a runner whose CUDA graphs are already dropped (they hold the old tensors)."""
+    import dataclasses
+
+    import torch
+
+    tensors = runner.cache_tensors
+
+    def small(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[dim] = n
+        return torch.zeros(shape, dtype=t.dtype, device=t.device)
+
+    runner.kv_caches = [None if t is None else small(t, 1, num_blocks) for t in runner.kv_caches]
+    tensors.latent = {layer: small(t, 0, num_blocks) for layer, t in tensors.latent.items()}
+    tensors.state = {group: {layer: [small(t, 0, num_slots + 1) for t in pools] for layer, pools in layers.items()}
+                     for group, layers in tensors.state.items()}
+    plan = getattr(runner, "memory_plan", None)
+    if plan is not None:
+        groups = tuple(dataclasses.replace(g, num_blocks=num_blocks - 1) if g.paged
+                       else dataclasses.replace(g, num_slots=num_slots, num_checkpoint_slots=0) for g in plan.groups)
+        runner.memory_plan = dataclasses.replace(plan, groups=groups)
+    runner.num_blocks = runner.scratch_block = num_blocks - 1
+    return {"blocks_per_paged_group": num_blocks, "state_slots": num_slots if tensors.state else 0,
+            "bytes": tensors.total_bytes()}
 
 
 def _small_cb_config(workload: Workload) -> dict[str, Any]:
@@ -188,8 +219,10 @@ def short_table(results: dict[str, Any]) -> list[str]:
     w = results.get("workload", {})
     lines.append(f"workload {w.get('name')}: {w.get('num_requests')} requests, {w.get('input_tokens')} input / "
                  f"{w.get('output_tokens')} output tokens")
+    peer_label = {"generate_static_batches": "HF generate (static)"}.get(
+        results.get("peer", {}).get("mode"), "HF continuous batching")
     for key, label in (("ours", "tandem engine"), ("ours_on_peer_subset", "tandem (peer subset)"),
-                       ("peer", "HF continuous batching")):
+                       ("peer", peer_label)):
         r = results.get(key)
         if not r or "output_tokens_per_s" not in r:
             continue

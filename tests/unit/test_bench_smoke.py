@@ -277,6 +277,7 @@ def test_throughput_against_hf_peer_on_the_same_weights(tmp_path, one_torch_thre
     peer, subset = res["peer"], res["ours_on_peer_subset"]
     expected = make_workload("nanovllm", vocab_size=320, num_prompts=4, scale=0.05, max_model_len=512).head(3)
     # The HF model computes the same function: its logits match the engine's on one prompt.
+    assert peer["mode"] == "continuous_batching"  # transformers serves this model: the CB path
     check = peer["weights"]["logits_check"]
     assert check["verified"] and check["cosine"] > 0.9999 and check["same_argmax"]
     assert peer["weights"]["copied"] > 0

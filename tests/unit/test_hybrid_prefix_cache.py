@@ -764,3 +764,22 @@ def test_bench_prefix_runs_on_cpu_and_compares_with_full_attention(torch_twins, 
     build_report(tmp_path / "results", tmp_path / "benchmarks.md", tmp_path / "plot.png")
     text = (tmp_path / "benchmarks.md").read_text()
     assert "## Prefix caching of hybrid models" in text and "dummy:tiny-qwen3.5-full-attention" in text
+
+
+def test_bench_prefix_without_tokens_off_records_no_cost(monkeypatch) -> None:
+    """A no-reuse run the deadline stopped before its first token (0 tok/s without prefix caching)
+    leaves the cost unset and the record incomplete, instead of dividing by zero."""
+    from tandem.bench import prefix
+    from tandem.bench.results import Deadline, new_record
+    from tandem.engine_service.config import EngineConfig, ModelConfig
+
+    def fake_engine_run(config, model, caching, fn):
+        rate = 5.0 if caching else 0.0
+        return {"model": model, "output_tokens_per_s": rate, "total_tokens_per_s": rate}
+
+    monkeypatch.setattr(prefix, "_with_engine", fake_engine_run)
+    config = EngineConfig(ModelConfig(model="dummy:tiny-qwen3.5", device="cpu"), CacheConfig(), SchedulerConfig())
+    record = new_record("prefix", config.model.model, {})
+    prefix.run_prefix(record, config, prefix.PrefixOptions(repeats=1), Deadline(600))
+    noreuse = record.results["prefix"]["noreuse"]
+    assert "cost" not in noreuse and "out of time" in noreuse["cost_unavailable"] and record.incomplete
