@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tandem.engine_service.group_tables import group_arrays
-from tandem.engine_service.layers.attention import AttentionMetadata
+from tandem.engine_service.layers.attention import AttentionMetadata, StateSplit
 from tandem.engine_service.sequence import Sequence
 
 
@@ -86,6 +86,8 @@ class HostInputs:
     # sequence's state" (False on the first chunk after admission or resume); None otherwise.
     state_indices: np.ndarray | None = None
     has_initial_state: np.ndarray | None = None
+    # Mixed steps with state groups: the rows that take the single-token state kernels.
+    state_split: HostStateSplit | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -94,6 +96,53 @@ class HostInputs:
     @property
     def is_pure_decode(self) -> bool:
         return int(self.input_ids.shape[0]) == self.num_seqs
+
+
+@dataclass
+class HostStateSplit:
+    """`layers.attention.StateSplit` as host arrays (see there)."""
+
+    num_decodes: int
+    rows: np.ndarray | None  # [T] int64, or None when the decode rows already come first
+    state_indices: np.ndarray  # [B] int32
+    has_initial_state: np.ndarray  # [B - D] bool
+    query_start_loc: np.ndarray  # [B - D + 1] int32
+
+    def arrays(self) -> list[np.ndarray]:
+        """The arrays to ship, in `StateSplit` field order (`rows` only when not None)."""
+        head = [] if self.rows is None else [self.rows]
+        return [*head, self.state_indices, self.has_initial_state, self.query_start_loc]
+
+
+def plan_state_split(
+    query_lens: np.ndarray, state_indices: np.ndarray, has_initial_state: np.ndarray, query_start_loc: np.ndarray
+) -> HostStateSplit | None:
+    """The state-kernel split of a step (host data only): None when every sequence is a state
+    decode (the pure-decode path) or none is (the varlen path takes the whole step).
+
+    A stable partition: decode sequences first, then the others, each in step order; when the
+    decodes already lead, the split order is the step's own (`rows` None: the layer slices)."""
+    decode = (query_lens == 1) & has_initial_state
+    num_decodes = int(decode.sum())
+    if num_decodes in (0, len(query_lens)):
+        return None
+    order = np.concatenate((np.flatnonzero(decode), np.flatnonzero(~decode)))
+    rest = order[num_decodes:]
+    rest_lens = query_lens[rest]
+    rest_loc = np.zeros(len(rest) + 1, dtype=np.int32)
+    np.cumsum(rest_lens, out=rest_loc[1:])
+    rows = None
+    if not decode[:num_decodes].all():
+        starts = query_start_loc[order].astype(np.int64)
+        lens = query_lens[order].astype(np.int64)
+        rows = np.repeat(starts, lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
+    return HostStateSplit(
+        num_decodes=num_decodes,
+        rows=rows,
+        state_indices=state_indices[order].astype(np.int32),
+        has_initial_state=has_initial_state[rest],
+        query_start_loc=rest_loc,
+    )
 
 
 # What `host_to_device` ships for a forward pass (the pending indices travel with them).
@@ -176,7 +225,8 @@ def assemble_host_inputs(
 
     `state_slots[i]` is entry i's state slot (models with state groups: every entry has one);
     the state arrays are built when every entry has one, and an entry continues the state in its
-    slot unless it starts at position 0 (`has_initial_state`)."""
+    slot unless it starts at position 0 (`has_initial_state`); a mixed step also gets its
+    state-kernel split (`plan_state_split`)."""
     num_seqs = len(query_lens)
     num_tokens = sum(query_lens)
     query_lens_np = np.asarray(query_lens, dtype=np.int64)
@@ -194,10 +244,11 @@ def assemble_host_inputs(
     input_ids = np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64, count=num_tokens)
     # Only when every entry holds a slot (a model with state groups gives each request one; a
     # hybrid layer handed a step without them fails loudly rather than read a wrong slot).
-    state_indices = has_initial_state = None
+    state_indices = has_initial_state = state_split = None
     if state_slots is not None and state_slots and all(s is not None for s in state_slots):
         state_indices = np.asarray(state_slots, dtype=np.int32)
         has_initial_state = seq_lens_np > query_lens_np
+        state_split = plan_state_split(query_lens_np, state_indices, has_initial_state, query_start_loc)
     return HostInputs(
         input_ids=input_ids,
         positions=positions.astype(np.int64),
@@ -213,6 +264,7 @@ def assemble_host_inputs(
         extra_groups=extra_groups,
         state_indices=state_indices,
         has_initial_state=has_initial_state,
+        state_split=state_split,
     )
 
 
@@ -257,12 +309,15 @@ def host_to_device(
     """Device tensors for `host`, pending tokens filled in from `previous_tokens`."""
     extra = [a for pair in host.extra_groups for a in pair]
     state = [] if host.state_indices is None else [host.state_indices, host.has_initial_state]
+    split = [] if host.state_split is None else host.state_split.arrays()
     tensors, fill_pending = ship_step_arrays(
-        [*(getattr(host, n) for n in _ARRAY_FIELDS), *state, *extra], host, device, staging, previous_tokens
+        [*(getattr(host, n) for n in _ARRAY_FIELDS), *state, *split, *extra], host, device, staging, previous_tokens
     )
     arrays = dict(zip(_ARRAY_FIELDS, tensors))
-    state_tensors = tensors[len(_ARRAY_FIELDS) : len(_ARRAY_FIELDS) + len(state)]
-    extra_tensors = tensors[len(_ARRAY_FIELDS) + len(state) :]
+    rest = iter(tensors[len(_ARRAY_FIELDS) :])
+    state_tensors = [next(rest) for _ in state]
+    split_tensors = [next(rest) for _ in split]
+    extra_tensors = list(rest)
     extra_groups = tuple(zip(extra_tensors[0::2], extra_tensors[1::2]))
     input_ids = arrays.pop("input_ids")
     fill_pending(input_ids)
@@ -272,6 +327,9 @@ def host_to_device(
     if state_tensors:
         metadata.state_indices, metadata.has_initial_state = state_tensors
         metadata.has_initial_state_cpu = host.has_initial_state.tolist()
+    if split_tensors:
+        rows = None if host.state_split.rows is None else split_tensors.pop(0)
+        metadata.state_split = StateSplit(host.state_split.num_decodes, rows, *split_tensors)
     return ModelInputs(input_ids=input_ids, metadata=metadata)
 
 

@@ -28,6 +28,27 @@ log = structlog.get_logger(__name__)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
+@dataclass(frozen=True)
+class StateSplit:
+    """How a mixed step's rows divide between the two state-kernel sets (Gated DeltaNet layers).
+
+    Rows that continue a state with one token ("state decodes": one scheduled token and
+    `has_initial_state`) run the single-token kernels, the others (prompt chunks, fresh rows) the
+    varlen ones, so a decode row's numerics never depend on what else is in the step. The layer
+    works in a *split order* with the `num_decodes` decode rows first: token row r of that order
+    is row `rows[r]` of the step (`rows` is None when the decode rows already are the step's
+    first rows, and the order is the step's own). Built on the host with the step's other arrays
+    (`input_batch.plan_state_split`); None on steps that are not mixed (pure state decode, or no
+    decode row at all).
+    """
+
+    num_decodes: int  # D (host int): decode rows, and decode sequences (one row each)
+    rows: torch.Tensor | None  # [T] int64 step row of each split-order row, or None (identity)
+    state_indices: torch.Tensor  # [B] int32: each sequence's state slot, in split order
+    has_initial_state: torch.Tensor  # [B - D] bool: of the non-decode sequences
+    query_start_loc: torch.Tensor  # [B - D + 1] int32: row offsets of the non-decode sequences, from 0
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step description of the flat token batch, built once and passed to every layer.
@@ -59,6 +80,9 @@ class AttentionMetadata:
     # Host copy of `has_initial_state`: a pure-decode step takes the single-token state kernels
     # only when every sequence continues a state (a 1-token prompt is a "decode" that starts one).
     has_initial_state_cpu: list[bool] | None = None
+    # Mixed steps with state groups: which rows take the single-token state kernels (see
+    # `StateSplit`); None when the step is a pure state decode or has no state-decode row.
+    state_split: StateSplit | None = None
     _group_views: dict[int, "AttentionMetadata"] = field(default_factory=dict, repr=False, compare=False)
 
     def for_group(self, group: int) -> "AttentionMetadata":
@@ -101,6 +125,13 @@ class AttentionMetadata:
     def is_state_decode(self) -> bool:
         """Pure decode where every sequence continues its state (the single-token state kernels)."""
         return self.is_pure_decode and all(self.has_initial_state_cpu or ())
+
+    @cached_property
+    def num_state_decodes(self) -> int:
+        """Sequences that continue their state with one token (0 without state groups)."""
+        if self.has_initial_state_cpu is None:
+            return 0
+        return sum(1 for q, h in zip(self.query_lens_cpu, self.has_initial_state_cpu) if q == 1 and h)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -17,9 +17,32 @@ State lives in two pools per layer, indexed by `metadata.state_indices` (one slo
 conv state `[slots + 1, conv_dim, W - 1]` in the model dtype, recurrent state
 `[slots + 1, HV, K, V]` in float32 (the extra slot is CUDA-graph scratch). A request whose
 `has_initial_state` is False (first chunk after admission or resume) starts from zeros whatever
-its slot holds. Pure-decode steps whose every request continues a state use the single-token
-kernels (`causal_conv1d_update`, `fused_recurrent_gated_delta_rule_update`); every other step the
-varlen prefill kernels. The math is the public kernels' (`tandem.kernels.causal_conv1d`,
+its slot holds.
+
+Which kernels a row takes depends on the row alone, never on the rest of the step: a *state
+decode* (one scheduled token, `has_initial_state`) runs the single-token kernels
+(`causal_conv1d_update`, `fused_recurrent_gated_delta_rule_update`), every other row (prompt
+chunks, fresh rows, including a fresh one-token prompt) the varlen prefill kernels
+(`causal_conv1d_prefill`, `chunk_gated_delta_rule`). A decode token thus gets the same numerics
+whether or not other requests prefill in its step (greedy near-ties otherwise flip between
+overlapped and plain scheduling), and it no longer pays for the chunk kernel. Three cases:
+
+- a pure state decode (`metadata.is_state_decode`; what the CUDA graphs capture): the
+  single-token kernels over the whole step, as before;
+- a step without any state decode (`metadata.state_split` None): the varlen kernels over it all;
+- a mixed step: `metadata.state_split` (built on the host with the step's other arrays, so no
+  sync) lists the rows decodes first. The split is per layer, inside it: the layer gathers its
+  input into that order (nothing when the decodes already lead, the usual case: running decodes
+  are scheduled before new prompts), runs the decode kernels on the first D rows and the varlen
+  ones on the rest, and scatters its output back to step order. Reordering the whole step
+  instead would touch every consumer of row order (attention metadata, logits rows, sampled
+  tokens, pending-token rows, KV transfer); one gather and one scatter of `[T, hidden]` per GDN
+  layer is cheap next to the chunk kernel the decode rows no longer run.
+
+Only the state kernels are made row-invariant here: the projections' matmuls still round by the
+step's row count (BLAS picks its tiling by shape), as in every other layer.
+
+The math is the public kernels' (`tandem.kernels.causal_conv1d`,
 `gated_delta_rule`, `gated_norm`), never a copy here. Which op set runs goes with the attention
 backend, as for every other layer (`fused`): the fused (Triton) backend calls the dispatching
 functions (Triton on CUDA, or interpreted on CPU under `TRITON_INTERPRET=1`), the PyTorch backend
@@ -174,14 +197,27 @@ class GatedDeltaNet(nn.Module):
         indices, fresh = metadata.state_indices, metadata.has_initial_state
         if indices is None or fresh is None:
             raise ValueError("a Gated DeltaNet layer needs state_indices and has_initial_state in the step metadata")
+        decode = metadata.is_state_decode
+        split = None if decode else metadata.state_split
+        if not decode and split is None and metadata.num_state_decodes:
+            raise ValueError("a mixed step with state-decode rows needs metadata.state_split (see StateSplit)")
+        # Token rows: the split order (decodes first) on a mixed step, the step's own otherwise.
+        if split is not None and split.rows is not None:
+            x = x.index_select(0, split.rows)
         qkv, z, b, a = self._project(x)
         weight = self.conv1d.weight.view(s.conv_dim, s.conv_kernel)
-        decode = metadata.is_state_decode
         if decode:
             qkv = self._conv_update(qkv, weight, None, conv_state, indices, activation="silu")
-        else:
+        elif split is None:
             qkv = self._conv_prefill(qkv, weight, None, conv_state, indices, metadata.query_start_loc, fresh,
-                                        activation="silu")
+                                     activation="silu")
+        else:
+            d = split.num_decodes
+            qkv = torch.cat((
+                self._conv_update(qkv[:d], weight, None, conv_state, split.state_indices[:d], activation="silu"),
+                self._conv_prefill(qkv[d:], weight, None, conv_state, split.state_indices[d:],
+                                   split.query_start_loc, split.has_initial_state, activation="silu"),
+            ))
         q, k, v = torch.split(qkv, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = q.reshape(t, s.num_k_heads, s.head_k_dim)
         k = k.reshape(t, s.num_k_heads, s.head_k_dim)
@@ -192,8 +228,19 @@ class GatedDeltaNet(nn.Module):
         scale = s.head_k_dim**-0.5
         if decode:
             o = self._delta_update(q, k, v, g, beta, scale, recurrent_state, indices, use_qk_l2norm=True)
-        else:
+        elif split is None:
             o = self._delta_chunk(q, k, v, g, beta, scale, recurrent_state, indices, metadata.query_start_loc,
                                   fresh, use_qk_l2norm=True)
+        else:
+            o = torch.cat((
+                self._delta_update(q[:d], k[:d], v[:d], g[:d], beta[:d], scale, recurrent_state,
+                                   split.state_indices[:d], use_qk_l2norm=True),
+                self._delta_chunk(q[d:], k[d:], v[d:], g[d:], beta[d:], scale, recurrent_state,
+                                  split.state_indices[d:], split.query_start_loc, split.has_initial_state,
+                                  use_qk_l2norm=True),
+            ))
         o = self._norm_gated(o.reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim), self.norm.weight, self.norm.eps)
-        return self.out_proj(o.reshape(t, s.value_dim))
+        out = self.out_proj(o.reshape(t, s.value_dim))
+        if split is not None and split.rows is not None:  # back to step order
+            out = torch.empty_like(out).index_copy_(0, split.rows, out)
+        return out
