@@ -30,6 +30,11 @@ checkpoint slots run out). A hit is then truncated to the last position with a c
 admission restores that checkpoint into the request's slot before the forward
 (`state_copies_before`). The scheduler cuts prefill chunks at checkpoint positions
 (`checkpoint_chunk`). Without checkpoint slots, a model with state groups gets no prefix hits.
+
+A request whose state comes from elsewhere (a disaggregated decode leg pulls the producer's state
+after its whole prompt) is admitted with `state_loaded=True`: its hit needs the K/V blocks only,
+no checkpoint is restored into its slot (the pulled state covers more than any local one), and
+none is saved by that admission's chunk (the slot holds nothing until the pull is written).
 """
 
 from __future__ import annotations
@@ -224,19 +229,21 @@ class BlockManager:
         return seq.block_tables[group][pos // self.block_size] * self.block_size + pos % self.block_size
 
     # -- prefix lookup -----------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> int:
+    def match_prefix(self, seq: Sequence, state_loaded: bool = False) -> int:
         """Leading tokens of `seq` already in the cache (full blocks, never all of its tokens).
 
         At least the last token is always left to compute so the model produces its logits. For
         a fresh sequence that is the last prompt token; for a preempted one being recomputed,
-        the prompt and the output tokens before the last one are eligible.
+        the prompt and the output tokens before the last one are eligible. `state_loaded`: the
+        request's state comes from elsewhere, so K/V blocks alone make a hit (module docstring).
         """
-        hit_blocks, _, _ = self._lookup(seq)
+        hit_blocks, _, _ = self._lookup(seq, state_loaded)
         return hit_blocks * self.block_size
 
-    def _lookup(self, seq: Sequence) -> tuple[int, list[int], int]:
+    def _lookup(self, seq: Sequence, state_loaded: bool = False) -> tuple[int, list[int], int]:
         """The largest hit (in blocks) valid in every group (and, with state groups, ending on a
-        checkpoint), the hashes of its blocks, and the hit the K/V blocks alone would give."""
+        checkpoint unless `state_loaded`), the hashes of its blocks, and the hit the K/V blocks
+        alone would give."""
         if not self.enable_prefix_caching:
             return 0, [], 0
         tokens = seq.token_ids
@@ -265,7 +272,7 @@ class BlockManager:
             if all(run_start[g] <= first_needed_block(k * bs, self.pools[g].window, bs) for g in self._windowed):
                 kv_best = k
                 # State groups: K/V resume a prefix only together with the state after it.
-                if not has_state or (checkpoints is not None and h in checkpoints):
+                if not has_state or state_loaded or (checkpoints is not None and h in checkpoints):
                     best = k
         return best, hashes[:best], kv_best
 
@@ -284,7 +291,7 @@ class BlockManager:
             i -= 1
         return out
 
-    def _plan(self, seq: Sequence, num_new_tokens: int) -> _Plan:
+    def _plan(self, seq: Sequence, num_new_tokens: int, state_loaded: bool = False) -> _Plan:
         if num_new_tokens < 0:
             raise ValueError("num_new_tokens must be >= 0")
         bs = self.block_size
@@ -302,7 +309,7 @@ class BlockManager:
                 plan.taken.append(new)
                 plan.freed.append(freed)
             return plan
-        hit_blocks, hit_hashes, kv_hit_blocks = self._lookup(seq)
+        hit_blocks, hit_hashes, kv_hit_blocks = self._lookup(seq, state_loaded)
         plan = _Plan(hit_blocks, hit_hashes, needs_slot=self.state_slots is not None and seq.state_slot is None,
                      kv_hit_blocks=kv_hit_blocks)
         needed = -(-(hit_blocks * bs + num_new_tokens) // bs)
@@ -330,14 +337,18 @@ class BlockManager:
         """Whether `allocate(seq, num_new_tokens)` would succeed; changes nothing."""
         return self._fits(self._plan(seq, num_new_tokens))
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, state_loaded: bool = False) -> bool:
         """Cover `num_computed_tokens + num_new_tokens` tokens with blocks (see class docstring).
 
         With empty block tables, prefix hits (and a state slot) are taken first and
         `num_computed_tokens` is reset to the hit count. Returns False, changing nothing but the
         release of blocks behind a sliding window, if a pool (or the slot pool) is too small.
+        `state_loaded` (admission only): the state comes from elsewhere; K/V hits suffice, and no
+        checkpoint is restored or saved for these tokens (module docstring).
         """
         admitted = self._admitted(seq)
+        if state_loaded and admitted:
+            raise ValueError("state_loaded applies to an admission (empty block tables) only")
         if admitted:
             if self._windowed:
                 self._trim(seq)
@@ -345,17 +356,17 @@ class BlockManager:
                 if self.checkpoints is not None:
                     self._queue_save(seq, num_new_tokens)
                 return True  # the common decode step: the last block still has room
-        plan = self._plan(seq, num_new_tokens)
+        plan = self._plan(seq, num_new_tokens, state_loaded)
         # Checking up front makes failure side-effect free: nothing to roll back.
         if not self._fits(plan):
             return False
         if not admitted:
-            self._take_hits(seq, plan)
+            self._take_hits(seq, plan, restore=not state_loaded)
         for g, pool in enumerate(self.pools):
             table = seq.block_tables[g]
             for _ in range(plan.new_blocks[g]):
                 table.append(pool.take_free())
-        if self.checkpoints is not None:
+        if self.checkpoints is not None and not state_loaded:
             self._queue_save(seq, num_new_tokens)
         return True
 
@@ -432,7 +443,7 @@ class BlockManager:
                 pool.release(table[i])
                 table[i] = NULL_BLOCK
 
-    def _take_hits(self, seq: Sequence, plan: _Plan) -> None:
+    def _take_hits(self, seq: Sequence, plan: _Plan, restore: bool = True) -> None:
         bs = self.block_size
         k = plan.hit_blocks
         tables: list[list[int]] = []
@@ -448,7 +459,7 @@ class BlockManager:
             seq.state_slot = self.state_slots.take()
         if self.checkpoints is not None:
             self._checkpointing[seq] = _Checkpointing(seq.num_known_tokens)
-            if k:
+            if k and restore:
                 src = self.checkpoints.restore(plan.hit_hashes[k - 1])
                 self._copies_before.append((src, seq.state_slot, seq))
         num_hit_tokens = k * bs

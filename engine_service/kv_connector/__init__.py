@@ -9,8 +9,10 @@ connector interface has, meeting in the step plan:
   request can load, allocating their blocks and holding the request in a waiting-for-KV state,
   leases on the producer (grant, release, expiry), the producer's returned parameters.
 - `worker_side.KVConnectorWorker` (the worker, torch): registers the KV memory
-  (`block_io.KVBlockIO`), starts the loads a plan's `kv_connector_metadata` names, writes the
-  pulled bytes into every paged cache group's layer tensors and reports finished/failed loads.
+  (`block_io.KVBlockIO`; for hybrid models also the state slots, `state_io.StateSlotIO`), starts
+  the loads a plan's `kv_connector_metadata` names, writes the pulled bytes into every paged cache
+  group's layer tensors (and the pulled state into the request's slot) and reports finished/failed
+  loads.
 
 Transports: `tcp_transport` (a msgpack-framed byte stream with a CRC32 per block; across hosts
 and on CPU; the default) and `cuda_ipc` (the producer's cache tensors opened in the consumer's

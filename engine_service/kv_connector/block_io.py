@@ -6,10 +6,10 @@ layer after layer in the group's `layer_ids` order: for a full or sliding-window
 `latent[block]`. Both engines build the same layout from the same model, so equal `block_bytes`
 is the handshake's sanity check (the consumer refuses a frame of another size).
 
-State groups (per-request recurrent/convolution state of hybrid models) are not moved yet: a
-request's state slot is one more unit to copy (`remote_state_slot` in the transfer parameters is
-reserved for it); `KVBlockIO` refuses a layout with state groups rather than decode with a
-missing state.
+State groups (per-request convolution/recurrent state of hybrid models) are not blocks: a
+request's state slot travels as one more unit next to its blocks, read and written by the sibling
+`state_io.StateSlotIO` (all state layers of one slot, in a fixed order; `remote_state_slot` in the
+transfer parameters names the producer's slot). `KVBlockIO` covers the paged groups only.
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ class KVBlockIO:
     """
 
     def __init__(self, layout: CacheLayout, tensors: CacheTensors) -> None:
-        if layout.state_groups:
-            raise NotImplementedError(
-                "KV transfer of state groups (hybrid models) is not implemented: "
-                f"{[g.name for g in layout.state_groups]}")
+        if not layout.paged_groups:
+            raise ValueError("KV transfer needs at least one paged cache group")
         self.layers: list[list[tuple[torch.Tensor, int]]] = []
         for group in layout.paged_groups:
             entries = []

@@ -16,6 +16,7 @@ from tandem.engine_service.kv_connector.cuda_ipc import CudaIpcChannel, IpcChann
 from tandem.engine_service.kv_connector.leases import LeaseTable
 from tandem.engine_service.kv_connector.nixl_transport import NixlEndpoint, nixl_available
 from tandem.engine_service.kv_connector.scheduler_side import KVConnectorScheduler, new_engine_id
+from tandem.engine_service.kv_connector.state_io import StateSlotIO
 from tandem.engine_service.kv_connector.tcp_transport import KVPullServer
 from tandem.engine_service.kv_connector.worker_side import KVConnectorWorker
 
@@ -71,6 +72,9 @@ def build_kv_connector(config: KVTransferConfig, block_manager: BlockManager, ru
     if not config.enabled:
         return None
     block_io = KVBlockIO(runner.cache_layout, runner.cache_tensors)
+    # Hybrid models: a request's state slot travels next to its blocks (one unit per request).
+    state_io = (StateSlotIO(runner.cache_layout, runner.cache_tensors, block_manager.state_slots.num_slots)
+                if block_manager.state_slots is not None else None)
     engine_id = config.engine_id or new_engine_id()
     if ipc is None and block_io.device.type == "cuda":
         ipc = CudaIpcChannel()
@@ -85,16 +89,17 @@ def build_kv_connector(config: KVTransferConfig, block_manager: BlockManager, ru
                    "'tandem-serve[nixl]')"}[config.transport]
             raise ValueError(f"--kv-transport {config.transport} needs {why}")
         host, port = config.host_port()
-        export = (lambda: ipc.export_handles(block_io)) if ipc is not None else None
+        export = (lambda: ipc.export_handles(block_io, state_io)) if ipc is not None else None
         # Every transport this engine has is served (a decode leg may ask for any of them); the
         # advertised one's NIXL registration happens now rather than during the first pull.
         nixl_export = (lambda: nixl().memory()) if nixl is not None else None
         if config.transport == "nixl" and nixl is not None:
             nixl()
         server = KVPullServer(host, port, leases, block_io.read_blocks, ipc_export=export,
-                              nixl_export=nixl_export).start()
+                              nixl_export=nixl_export,
+                              read_state=state_io.read_slot if state_io is not None else None).start()
     address = (server.host, server.port) if server is not None else None
     scheduler = KVConnectorScheduler(config, block_manager, engine_id, address, leases, transports)
-    worker = KVConnectorWorker(block_io, ipc, nixl=nixl) if config.is_consumer else None
+    worker = KVConnectorWorker(block_io, ipc, nixl=nixl, state_io=state_io) if config.is_consumer else None
     log.info("kv_connector_ready", role=config.role, engine_id=engine_id, address=address, transports=transports)
     return KVConnector(config, engine_id, scheduler, worker, server, transports)

@@ -1,7 +1,8 @@
 """Producer-side leases: a finished prefill's blocks, kept for the decode leg's pull (torch-free).
 
-A lease holds the blocks a prefill request owned when it finished (`LeasedBlocks`, shaped like
-what `BlockManager.free` reads from a sequence), until one of:
+A lease holds the blocks a prefill request owned when it finished, and for a hybrid model its
+state slot (`LeasedBlocks`, shaped like what `BlockManager.free` reads from a sequence, so freeing
+the lease frees the slot too), until one of:
 
 - the consumer's pull connection ends (it pulled, failed or gave up) or it sent `ReleaseLease`;
 - the prefill request id is aborted (the client went away before the decode leg);
@@ -80,6 +81,13 @@ class LeaseTable:
                 return None
             lease.pins += 1
             return [list(t) for t in lease.blocks.block_tables]
+
+    def state_slot(self, lease_id: str) -> int | None:
+        """The lease's state slot (hybrid models; None without one or for an unknown lease). Read
+        by a pull that pinned the lease, so the slot cannot change hands meanwhile."""
+        with self._lock:
+            lease = self._by_id.get(lease_id)
+            return None if lease is None else lease.blocks.state_slot
 
     def unpin(self, lease_id: str, release: bool = True) -> None:
         with self._lock:

@@ -17,7 +17,9 @@ class LoadSpec(msgspec.Struct, kw_only=True):
     Invariants: `remote_block_ids[g]` and `local_block_ids[g]` have equal lengths (entry j of one
     is written into entry j of the other) for every paged cache group g; no local id is
     `NULL_BLOCK`. `num_tokens` is the token count the loaded blocks complete (the consumer's
-    computed count once the load finished).
+    computed count once the load finished). Hybrid models: `remote_state_slot` (the producer's
+    slot, holding the state after exactly `num_tokens` tokens) goes into `local_state_slot` (the
+    request's own slot); both are None for a model without state groups, both set otherwise.
     """
 
     request_id: str
@@ -29,6 +31,8 @@ class LoadSpec(msgspec.Struct, kw_only=True):
     remote_block_ids: list[list[int]]
     local_block_ids: list[list[int]]
     num_tokens: int
+    remote_state_slot: int | None = None
+    local_state_slot: int | None = None
 
     @property
     def num_blocks(self) -> int:

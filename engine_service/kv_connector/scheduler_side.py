@@ -8,9 +8,19 @@ the block manager (prefix hits taken as usual), and queues a `LoadSpec` for the 
 `loads_done` reports it; then its computed count jumps to `num_prompt_tokens`. The rest (at
 least the first token's position) is computed locally, so the logits come from this engine.
 
+Hybrid models (state groups): the recurrent/convolution state after the prompt cannot be
+recomputed from K/V, so the load also carries the producer's state slot (`remote_state_slot`)
+into the request's own, freshly taken slot. That state covers all `num_prompt_tokens` tokens, so
+the local hit needs K/V blocks only and no local state checkpoint is restored over it
+(`BlockManager.allocate(state_loaded=True)`); the first local chunk starts at `num_prompt_tokens`
+and continues the pulled state (`has_initial_state`). Parameters without a state slot are refused.
+
 Producer (a request with `do_remote_decode` that finished by length): `on_request_finished`
-moves the request's blocks into a lease instead of letting them be freed, and returns the
-parameters the decode leg needs. `sweep` frees the leases that were released (pull done, abort
+moves the request's blocks (and state slot) into a lease instead of letting them be freed, and
+returns the parameters the decode leg needs. A hybrid model's slot is offered only while it holds
+the state after exactly `num_prompt_tokens` tokens: the leg computed the prompt and sampled its
+one token without feeding it (a leg that fed more tokens gets no lease; the decode leg then
+computes the prompt itself). `sweep` frees the leases that were released (pull done, abort
 of the prefill id) or expired — the only place leased blocks go back to the pool.
 
 Invariants: a request id is in `_loading` from `admit_load` until `loads_done` or `cancel_load`;
@@ -85,10 +95,13 @@ class KVConnectorScheduler:
         assert p is not None
         bs = self.bm.block_size
         num_tokens, groups, transport = self._check(seq, p)
-        hit_tokens = self.bm.match_prefix(seq)
+        # Hybrid models: the pulled state covers every prompt token (see the module docstring).
+        state_loaded = self.bm.state_slots is not None
+        hit_tokens = self.bm.match_prefix(seq, state_loaded=state_loaded)
         num_new = max(0, num_tokens - hit_tokens)
-        if not self.bm.allocate(seq, num_new):
+        if not self.bm.allocate(seq, num_new, state_loaded=state_loaded):
             return False
+        assert not state_loaded or seq.state_slot is not None
         h = seq.num_computed_tokens // bs
         n = -(-num_tokens // bs)
         remote: list[list[int]] = []
@@ -109,7 +122,9 @@ class KVConnectorScheduler:
         spec = LoadSpec(request_id=seq.request_id, remote_engine_id=p.remote_engine_id or "",
                         remote_host=p.remote_host or "", remote_port=int(p.remote_port or 0),
                         lease_id=p.lease_id or "", transport=transport,
-                        remote_block_ids=remote, local_block_ids=local, num_tokens=num_tokens)
+                        remote_block_ids=remote, local_block_ids=local, num_tokens=num_tokens,
+                        remote_state_slot=p.remote_state_slot if state_loaded else None,
+                        local_state_slot=seq.state_slot if state_loaded else None)
         self._loading[seq.request_id] = spec
         self._start.append(spec)
         log.info("kv_load_queued", request_id=seq.request_id, hit_tokens=seq.num_computed_tokens,
@@ -136,9 +151,17 @@ class KVConnectorScheduler:
         n = -(-num_tokens // self.bm.block_size)
         if any(len(g) < n for g in groups):
             raise LoadRefused(f"{num_tokens} tokens need {n} blocks per group, the parameters name fewer")
+        if self.bm.state_slots is not None:
+            if p.remote_state_slot is None:
+                raise LoadRefused("this model has state groups (a hybrid model): the decode leg needs the "
+                                  "producer's state slot, and kv_transfer_params lacks remote_state_slot")
+            if p.remote_state_slot < 0:
+                raise LoadRefused(f"remote_state_slot={p.remote_state_slot} is not a slot")
         transport = p.remote_transport or "tcp"
         if transport not in self.local_transports:
             transport = "tcp"  # every producer serves TCP
+        if transport == "nixl" and self.bm.state_slots is not None:
+            transport = "tcp"  # NIXL moves blocks only; TCP carries the state too
         return num_tokens, groups, transport
 
     def loads_done(self, report: KVLoadReport) -> tuple[list[LoadSpec], dict[str, str]]:
@@ -200,6 +223,12 @@ class KVConnectorScheduler:
         num_tokens = seq.num_prompt_tokens
         if seq.num_computed_tokens < num_tokens or len(seq.block_tables[0]) * bs < num_tokens:
             return  # nothing complete to offer (cannot happen for a finished prefill)
+        if self.bm.state_slots is not None and (seq.state_slot is None or seq.num_computed_tokens != num_tokens):
+            # The slot holds the state after every token fed so far: only a leg that fed exactly
+            # the prompt (its one sampled token never went through the model) can hand it over.
+            log.warning("kv_lease_refused_state_advanced", request_id=seq.request_id,
+                        computed=seq.num_computed_tokens, num_prompt_tokens=num_tokens)
+            return
         self.bm.commit(seq)  # the last chunk's full blocks join the prefix cache now
         blocks = LeasedBlocks(seq.request_id, seq.block_tables, seq.block_hashes, seq.state_slot)
         seq.block_tables = [[] for _ in self.bm.pools]
@@ -213,7 +242,7 @@ class KVConnectorScheduler:
         host, port = self.pull_address
         seq.kv_transfer_params = KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=host, remote_port=port,
-            remote_block_ids=groups[0], remote_group_block_ids=groups, remote_state_slot=None,
+            remote_block_ids=groups[0], remote_group_block_ids=groups, remote_state_slot=blocks.state_slot,
             num_prompt_tokens=num_tokens, first_token_id=seq.output_token_ids[0], lease_id=lease.lease_id,
             lease_expiry_unix=lease.expiry_unix, remote_transport=self.config.transport, block_size=bs,
             extra=dict(p.extra))

@@ -2,14 +2,16 @@
 
 `KVPullServer` (producer) listens on the engine's KV address; one thread per connection serves
 one message (`wire.py`): a `PullRequest` is answered with one `BlockFrame` per block (bytes read
-by `read_blocks`, CRC32 computed before sending) and a `PullEnd`; a lease it does not hold, or a
-block id outside the lease, gets a `PullError`. A CUDA IPC or NIXL handshake is answered with
+by `read_blocks`, CRC32 computed before sending), a `StateFrame` when the request names the
+lease's state slot (hybrid models; bytes by `read_state`, CRC32 likewise) and a `PullEnd`; a lease it does not hold, or a
+block id outside the lease, or a state slot that is not the lease's, gets a `PullError`. A CUDA IPC or NIXL handshake is answered with
 what the consumer needs to copy the blocks itself, and the connection stays open until it did. The lease is pinned while its blocks are read and
 released when the connection ends, whatever happened. The server never touches the block
 manager: a release is recorded in the lease table and freed by the engine-core thread.
 
-`pull_blocks` (consumer) sends the request and checks every frame: the CRC32, the block's size,
-that each requested (group, index) comes exactly once, and the closing count. Any mismatch raises
+`pull` (consumer) sends the request and checks every frame: the CRC32, the block's (state's) size,
+that each requested (group, index) comes exactly once, the state exactly once when requested and
+never otherwise, and the closing count. Any mismatch raises
 `TransferError` with what was wrong; the caller fails the request.
 """
 
@@ -32,6 +34,7 @@ from tandem.engine_service.kv_connector.wire import (
     PullError,
     PullRequest,
     ReleaseLease,
+    StateFrame,
     WireError,
     checksum,
     recv_message,
@@ -41,6 +44,7 @@ from tandem.engine_service.kv_connector.wire import (
 log = structlog.get_logger(__name__)
 
 BlockReader = Callable[[int, list[int]], list[bytes]]
+StateReader = Callable[[int], bytes]
 
 
 class TransferError(RuntimeError):
@@ -50,16 +54,20 @@ class TransferError(RuntimeError):
 class KVPullServer:
     """Serves pulls of leased blocks on (host, port); see the module docstring.
 
-    `tamper` is a testing seam: applied to each block's bytes after the checksum was computed
-    (a corrupted transfer). `ipc_export` answers a CUDA IPC handshake (None: not offered).
+    `tamper` and `tamper_state` are testing seams: applied to each block's (the state's) bytes
+    after the checksum was computed (a corrupted transfer). `ipc_export` answers a CUDA IPC
+    handshake (None: not offered). `read_state` reads a state slot (None: no state groups).
     """
 
     def __init__(self, host: str, port: int, leases: LeaseTable, read_blocks: BlockReader,
                  ipc_export: Callable[[], IpcHandles] | None = None,
                  on_release: Callable[[], None] | None = None,
-                 nixl_export: Callable[[], NixlMemory] | None = None) -> None:
+                 nixl_export: Callable[[], NixlMemory] | None = None,
+                 read_state: StateReader | None = None) -> None:
         self.leases = leases
         self.read_blocks = read_blocks
+        self.read_state = read_state
+        self.tamper_state: Callable[[bytes], bytes] | None = None
         self.ipc_export = ipc_export
         self.nixl_export = nixl_export
         self.on_release = on_release or (lambda: None)
@@ -135,6 +143,11 @@ class KVPullServer:
             if outside:
                 send_message(conn, PullError(message=f"blocks {outside[:8]} of group {g} are not in the lease"))
                 return
+        if msg.state_slot is not None:
+            leased_slot = self.leases.state_slot(msg.lease_id)
+            if self.read_state is None or leased_slot is None or msg.state_slot != leased_slot:
+                send_message(conn, PullError(message=f"state slot {msg.state_slot} is not in the lease"))
+                return
         n = 0
         for g, ids in enumerate(msg.block_ids):
             for j, data in enumerate(self.read_blocks(g, ids)):
@@ -143,6 +156,14 @@ class KVPullServer:
                     data = self.tamper(data)
                 send_message(conn, BlockFrame(group=g, index=j, data=data, crc32=crc))
                 n += 1
+        if msg.state_slot is not None:
+            assert self.read_state is not None
+            data = self.read_state(msg.state_slot)
+            crc = checksum(data)
+            if self.tamper_state is not None:
+                data = self.tamper_state(data)
+            send_message(conn, StateFrame(slot=msg.state_slot, data=data, crc32=crc))
+            n += 1
         self.frames_sent += n
         send_message(conn, PullEnd(num_frames=n))
 
@@ -168,12 +189,25 @@ def connect(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def pull_blocks(sock: socket.socket, lease_id: str, block_ids: list[list[int]],
-                block_bytes: list[int]) -> list[list[bytes]]:
-    """Pull `block_ids[g]` of every group over the connected `sock`; per group, the blocks'
-    bytes in request order. Raises TransferError (see the module docstring)."""
+class Pulled:
+    """What one pull brought: per group, the blocks' bytes in request order; the state's bytes
+    (None when no state slot was requested)."""
+
+    __slots__ = ("blocks", "state")
+
+    def __init__(self, blocks: list[list[bytes]], state: bytes | None) -> None:
+        self.blocks = blocks
+        self.state = state
+
+
+def pull(sock: socket.socket, lease_id: str, block_ids: list[list[int]], block_bytes: list[int],
+         state_slot: int | None = None, state_bytes: int = 0) -> Pulled:
+    """Pull `block_ids[g]` of every group, and the lease's state slot `state_slot` (of
+    `state_bytes` bytes) when not None, over the connected `sock`. Raises TransferError (see the
+    module docstring)."""
+    state: bytes | None = None
     try:
-        send_message(sock, PullRequest(lease_id=lease_id, block_ids=block_ids))
+        send_message(sock, PullRequest(lease_id=lease_id, block_ids=block_ids, state_slot=state_slot))
         out: list[list[bytes | None]] = [[None] * len(ids) for ids in block_ids]
         received = 0
         while True:
@@ -182,6 +216,20 @@ def pull_blocks(sock: socket.socket, lease_id: str, block_ids: list[list[int]],
                 raise TransferError(f"producer refused the pull: {msg.message}")
             if isinstance(msg, PullEnd):
                 break
+            if isinstance(msg, StateFrame):
+                if state_slot is None or msg.slot != state_slot:
+                    raise TransferError(f"state frame for slot {msg.slot}, requested {state_slot}")
+                if state is not None:
+                    raise TransferError("state frame sent twice")
+                if len(msg.data) != state_bytes:
+                    raise TransferError(f"state frame has {len(msg.data)} bytes, expected {state_bytes} "
+                                        "(different model or state layout?)")
+                if checksum(msg.data) != msg.crc32:
+                    raise TransferError(f"checksum mismatch in the state of slot {msg.slot}: the transfer was "
+                                        "corrupted")
+                state = msg.data
+                received += 1
+                continue
             if not isinstance(msg, BlockFrame):
                 raise TransferError(f"unexpected {type(msg).__name__} in a pull")
             if not (0 <= msg.group < len(out) and 0 <= msg.index < len(out[msg.group])):
@@ -198,10 +246,19 @@ def pull_blocks(sock: socket.socket, lease_id: str, block_ids: list[list[int]],
             received += 1
     except (OSError, WireError) as exc:
         raise TransferError(f"KV pull connection failed: {exc}") from None
-    expected = sum(len(ids) for ids in block_ids)
+    expected = sum(len(ids) for ids in block_ids) + (state_slot is not None)
     if received != expected or msg.num_frames != expected:
-        raise TransferError(f"pull ended after {received} of {expected} blocks")
-    return out  # type: ignore[return-value]
+        what = "blocks" if state_slot is None else "frames (blocks and the state)"
+        raise TransferError(f"pull ended after {received} of {expected} {what}")
+    if state_slot is not None and state is None:
+        raise TransferError("pull ended without the state")
+    return Pulled(out, state)  # type: ignore[arg-type]
+
+
+def pull_blocks(sock: socket.socket, lease_id: str, block_ids: list[list[int]],
+                block_bytes: list[int]) -> list[list[bytes]]:
+    """`pull` of blocks only: per group, the blocks' bytes in request order."""
+    return pull(sock, lease_id, block_ids, block_bytes).blocks
 
 
 def release_lease(host: str, port: int, lease_id: str, timeout: float = 5.0) -> None:

@@ -2,14 +2,16 @@
 
 A pull is one TCP connection from the consumer to the producer's KV address:
 
-    consumer -> PullRequest(lease_id, block ids per group)      (or ReleaseLease, IpcHandlesRequest,
-                                                                 NixlHandshake)
-    producer -> BlockFrame * n, then PullEnd(n)                 (or PullError(message) at any point)
+    consumer -> PullRequest(lease_id, block ids per group,      (or ReleaseLease, IpcHandlesRequest,
+                            state slot or None)                  NixlHandshake)
+    producer -> BlockFrame * n, [StateFrame], then PullEnd(n)   (or PullError(message) at any point)
 
 Each frame is a 4-byte big-endian length and a msgpack body (a tagged union, so one decoder reads
 every message). A `BlockFrame` carries one block of one paged group — every layer of that group,
 concatenated — and the CRC32 of those bytes, computed by the producer before sending; the
-consumer recomputes it and fails the pull on a mismatch. The producer releases the lease when
+consumer recomputes it and fails the pull on a mismatch. A `StateFrame` (hybrid models, when the
+request names the lease's state slot) carries that slot of every state layer (`state_io.py`'s
+order) with its CRC32 the same way, after the blocks; `PullEnd` counts it. The producer releases the lease when
 the connection ends, whatever happened (the consumer pulls once).
 """
 
@@ -39,10 +41,12 @@ class LayerRegion(msgspec.Struct, array_like=True):
 
 
 class PullRequest(msgspec.Struct, tag="pull", kw_only=True):
-    """Send these of the lease's blocks, per paged group (ids in the producer's tables)."""
+    """Send these of the lease's blocks, per paged group (ids in the producer's tables), and the
+    lease's state slot `state_slot` (hybrid models; None: no state)."""
 
     lease_id: str
     block_ids: list[list[int]]
+    state_slot: int | None = None
 
 
 class ReleaseLease(msgspec.Struct, tag="release", kw_only=True):
@@ -72,8 +76,16 @@ class BlockFrame(msgspec.Struct, tag="block", kw_only=True):
     crc32: int
 
 
+class StateFrame(msgspec.Struct, tag="state", kw_only=True):
+    """State slot `slot` (the producer's) of every state layer, in `state_io.py`'s order."""
+
+    slot: int
+    data: bytes
+    crc32: int
+
+
 class PullEnd(msgspec.Struct, tag="end", kw_only=True):
-    """Every requested block was sent."""
+    """Every requested block (and the state, if requested) was sent: `num_frames` frames."""
 
     num_frames: int
 
@@ -85,10 +97,12 @@ class PullError(msgspec.Struct, tag="error", kw_only=True):
 
 
 class IpcHandles(msgspec.Struct, tag="ipc", kw_only=True):
-    """Per paged group, per layer: the cache tensor's CUDA IPC handle fields (`cuda_ipc.py`)."""
+    """Per paged group, per layer: the cache tensor's CUDA IPC handle fields (`cuda_ipc.py`);
+    `state`: the same fields per state tensor, in `state_io.py`'s order (empty without state)."""
 
     device_uuid: str
     groups: list[list[list]]
+    state: list[list] = msgspec.field(default_factory=list)
 
 
 class NixlMemory(msgspec.Struct, tag="nixl", kw_only=True):
@@ -100,8 +114,8 @@ class NixlMemory(msgspec.Struct, tag="nixl", kw_only=True):
     groups: list[list[LayerRegion]]
 
 
-WireMessage = Union[PullRequest, ReleaseLease, IpcHandlesRequest, NixlHandshake, BlockFrame, PullEnd, PullError,
-                    IpcHandles, NixlMemory]
+WireMessage = Union[PullRequest, ReleaseLease, IpcHandlesRequest, NixlHandshake, BlockFrame, StateFrame, PullEnd,
+                    PullError, IpcHandles, NixlMemory]
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(WireMessage)

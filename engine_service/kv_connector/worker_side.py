@@ -3,9 +3,10 @@
 `KVConnectorWorker.apply(metadata)` (each plan, before the step runs) cancels the loads the plan
 cancels, releases the leases it names, then starts the new loads, each on a background thread
 that only talks to the producer (TCP: receives and checks every block's bytes; CUDA IPC: the
-handshake, opening the producer's tensors; NIXL: the handshake and the READ into the local
-blocks, waited for when cancelled). `poll()` (right after `apply`, on the worker's
-thread, before the step's forward) writes every finished load into the cache tensors — so the
+handshake, opening the producer's tensors; for a hybrid model, TCP also receives the state slot
+and CUDA IPC opens the producer's state tensors too; NIXL: the handshake and the READ into the local
+blocks, waited for when cancelled; never asked for a load with state). `poll()` (right after `apply`, on the worker's
+thread, before the step's forward) writes every finished load into the cache tensors (and its state into the request's slot) — so the
 cache is only ever written by the thread that runs the model, in stream order with its steps,
 and never for a load the same plan cancelled — and returns a `KVLoadReport`. A cancelled load's result is dropped unread:
 its blocks may already belong to another request.
@@ -31,7 +32,8 @@ from tandem.engine_service.kv_connector.block_io import KVBlockIO
 from tandem.engine_service.kv_connector.cuda_ipc import IpcChannel
 from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, KVLoadReport, LoadSpec
 from tandem.engine_service.kv_connector.nixl_transport import NixlEndpoint
-from tandem.engine_service.kv_connector.tcp_transport import TransferError, connect, pull_blocks, release_lease
+from tandem.engine_service.kv_connector.state_io import StateSlotIO
+from tandem.engine_service.kv_connector.tcp_transport import TransferError, connect, pull, release_lease
 from tandem.engine_service.kv_connector.wire import (
     IpcHandles,
     IpcHandlesRequest,
@@ -53,7 +55,9 @@ class _Load:
     cancelled: threading.Event = field(default_factory=threading.Event)
     sock: socket.socket | None = None
     blocks: list[list[bytes]] | None = None  # TCP: per group, the pulled bytes
+    state: bytes | None = None  # TCP: the pulled state slot (hybrid models)
     remote: list[list[torch.Tensor]] | None = None  # CUDA IPC: the producer's layer tensors
+    remote_state: list[torch.Tensor] | None = None  # CUDA IPC: the producer's state tensors
     written: bool = False  # NIXL: the READ already put the blocks in place
     error: str | None = None
     ended: threading.Event = field(default_factory=threading.Event)  # the load thread is done
@@ -72,8 +76,9 @@ class KVConnectorWorker:
     """Starts, cancels and completes KV loads for one worker (see the module docstring)."""
 
     def __init__(self, block_io: KVBlockIO, ipc: IpcChannel | None = None, timeout_s: float = 60.0,
-                 nixl: Callable[[], NixlEndpoint] | None = None) -> None:
+                 nixl: Callable[[], NixlEndpoint] | None = None, state_io: StateSlotIO | None = None) -> None:
         self.block_io = block_io
+        self.state_io = state_io  # hybrid models: the request state slots' memory
         self.ipc = ipc
         self.nixl = nixl  # the consumer's NIXL endpoint, made on first use (None: no NIXL here)
         self.timeout_s = timeout_s
@@ -171,9 +176,26 @@ class KVConnectorWorker:
                 assert load.blocks is not None
                 io.write_blocks(g, local, load.blocks[g])
             n_bytes += len(local) * io.block_bytes[g]
+        if spec.local_state_slot is not None:
+            n_bytes += self._write_state(load)
         if load.remote is not None and io.device.type == "cuda":
             torch.cuda.current_stream(io.device).synchronize()  # before the lease is released
         return n_bytes
+
+    def _write_state(self, load: _Load) -> int:
+        spec, sio = load.spec, self.state_io
+        if sio is None:
+            raise RuntimeError("a load with a state slot on an engine without state groups")
+        assert spec.local_state_slot is not None and spec.remote_state_slot is not None
+        if load.remote is not None:
+            if load.remote_state is None:
+                raise RuntimeError("the producer exported no state tensors")
+            sio.copy_slot_from(load.remote_state, spec.remote_state_slot, spec.local_state_slot)
+        else:
+            if load.state is None:
+                raise RuntimeError("the pull brought no state")
+            sio.write_slot(spec.local_state_slot, load.state)
+        return sio.slot_bytes
 
     # -- load threads: talk to the producer -----------------------------------------------------
     def _run(self, load: _Load) -> None:
@@ -186,11 +208,18 @@ class KVConnectorWorker:
             if spec.transport == "cuda_ipc":
                 load.remote = self._open_ipc(load)
             elif spec.transport == "nixl":
+                if spec.remote_state_slot is not None:
+                    raise TransferError("NIXL does not move state slots (the scheduler picks TCP for them)")
                 self._read_nixl(load)
                 load.written = True
                 load.close()
             else:
-                load.blocks = pull_blocks(load.sock, spec.lease_id, spec.remote_block_ids, self.block_io.block_bytes)
+                state_bytes = self.state_io.slot_bytes if self.state_io is not None else 0
+                if spec.remote_state_slot is not None and self.state_io is None:
+                    raise TransferError("this engine has no state groups to write the producer's state into")
+                pulled = pull(load.sock, spec.lease_id, spec.remote_block_ids, self.block_io.block_bytes,
+                              spec.remote_state_slot, state_bytes)
+                load.blocks, load.state = pulled.blocks, pulled.state
                 load.close()  # the producer releases the lease as soon as the pull is complete
         except TransferError as exc:
             load.error = f"KV transfer from {spec.remote_engine_id} failed: {exc}"
@@ -235,4 +264,16 @@ class KVConnectorWorker:
         remote = self.ipc.open_handles(msg)
         if len(remote) != self.block_io.num_groups:
             raise TransferError(f"producer has {len(remote)} cache groups, this engine {self.block_io.num_groups}")
+        if load.spec.remote_state_slot is not None:
+            state = self.ipc.open_state(msg)
+            here = len(self.state_io.tensors) if self.state_io is not None else 0
+            if len(state) != here:
+                raise TransferError(f"producer exported {len(state)} state tensors, this engine has {here}")
+            assert self.state_io is not None
+            slot = load.spec.remote_state_slot
+            for r, t in zip(state, self.state_io.tensors):
+                if r.shape[1:] != t.shape[1:] or r.dtype != t.dtype or not 0 <= slot < r.shape[0]:
+                    raise TransferError(f"producer state tensor {tuple(r.shape)} {r.dtype} (slot {slot}) does not "
+                                        f"match this engine's {tuple(t.shape)} {t.dtype}")
+            load.remote_state = state
         return remote

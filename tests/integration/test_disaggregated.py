@@ -138,3 +138,40 @@ def test_decode_engine_loads_the_prompt_remotely_and_only_new_blocks_later(disag
     for address in (disagg["prefill"], disagg["decode"]):
         left = _kv(client, address)
         assert left["kv_leases_active"] == 0 and left["kv_blocks_used"] == 0, (address, left)
+
+
+# -- a hybrid model (Gated DeltaNet state slots travel with the blocks) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def disagg_hybrid(launch_serve, get_free_port, smollm2_dir):
+    """The same topology over dummy tiny Qwen3.5 (random weights, a 320-token vocabulary: prompts
+    go as token ids; the embedded model's tokenizer only renders the output)."""
+    decode_port = get_free_port()
+    server, frontend, prefill = launch_serve(["--disaggregated", "--decode-engine-port", str(decode_port),
+                                              "--model", "dummy:tiny-qwen3.5", "--tokenizer", str(smollm2_dir),
+                                              "--allow-admin-commands", "--frontend-workers", "1",
+                                              "--num-kv-blocks", "256", "--max-model-len", "256"])
+    with TandemClient(frontend) as client:
+        yield {"client": client, "prefill": prefill, "decode": f"127.0.0.1:{decode_port}"}
+
+
+def test_hybrid_model_two_legs_equal_the_single_engine_and_free_every_slot(disagg_hybrid):
+    import random
+
+    client = disagg_hybrid["client"]
+    rng = random.Random(5)
+    before = _kv(client, disagg_hybrid["decode"])
+    lengths = [13, 32, 70]  # 32: an exact multiple of the block size
+    for i, n in enumerate(lengths):
+        ids = [rng.randrange(3, 300) for _ in range(n)]
+        reply = client.generate(prompt_token_ids=ids, max_tokens=6, temperature=0.0)
+        expected = engine_generate(disagg_hybrid["prefill"], f"ref-h{i}", ids, 6)
+        assert list(reply.choices[0].token_ids) == expected
+    after = _kv(client, disagg_hybrid["decode"])
+    # Every prompt's KV (and state) came from the producer: the decode engine computed none of it.
+    assert after["kv_remote_tokens_loaded"] - before["kv_remote_tokens_loaded"] == sum(lengths)
+    for address in (disagg_hybrid["prefill"], disagg_hybrid["decode"]):
+        left = _kv(client, address)
+        slots = int(engine_stats(client, address).get("state_slots_used", 0))
+        assert left["kv_leases_active"] == 0 and left["kv_blocks_used"] == 0 and slots == 0, (address, left, slots)

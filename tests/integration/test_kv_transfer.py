@@ -3,8 +3,9 @@
 Engine A is a producer (`--kv-role producer`), engine B a consumer; both are `EngineCore`s over
 real `LLMEngine`s (tiny dummy Llama, varied greedy outputs), driven message by message as the
 core loop drives them; A serves pulls on a real TCP socket from its own thread. A third engine
-with no role is the reference. Every test ends by checking that every block on every engine is
-free (leases included).
+with no role is the reference. Every test ends by checking that every block and every state slot
+on every engine is free (leases included). The hybrid section (tiny Qwen3-Next / Qwen3.5: Gated
+DeltaNet state slots next to paged attention) moves the state slot with the blocks.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ VOCAB = 300
 
 
 def config(role: str, model: str = MODEL, lease_seconds: float = 30.0, transport: str = "tcp",
-           overlap: str = "off") -> EngineConfig:
+           overlap: str = "off", checkpoint_stride: int | None = None) -> EngineConfig:
     return EngineConfig(
         ModelConfig(model=model, attention_backend="torch", max_model_len=128, seed=3),
-        CacheConfig(block_size=BLOCK, num_blocks=128),
+        CacheConfig(block_size=BLOCK, num_blocks=128, state_checkpoint_stride=checkpoint_stride),
         SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, overlap_scheduling=overlap),
         KVTransferConfig(role=role, lease_seconds=lease_seconds, transport=transport),
     )
@@ -127,20 +128,26 @@ def decode_leg(core: EngineCore, prompts: dict[str, list[int]], legs: dict[str, 
 
 
 def assert_all_free(*cores: EngineCore, timeout: float = 10.0) -> None:
-    """Every block and lease on every engine is free (released leases are swept on tick)."""
+    """Every block, state slot and lease on every engine is free (released leases are swept on
+    tick); no state checkpoint save is left pending."""
     deadline = time.monotonic() + timeout
     for core in cores:
         while True:
             core.tick()
             st = core.engine.stats()
             if (st.kv_blocks_used, st.group_blocks_used, st.kv_leases_active, st.kv_loading_requests,
-                    st.num_running, st.num_waiting) == (0, 0, 0, 0, 0, 0):
+                    st.num_running, st.num_waiting, st.state_slots_used) == (0, 0, 0, 0, 0, 0, 0):
                 break
             assert time.monotonic() < deadline, f"blocks or leases left: {st}"
             time.sleep(0.02)
         bm = core.engine.block_manager
         for pool in bm.pools:
             assert all(b.ref_count == 0 for b in pool.blocks), "a block is still referenced"
+        if bm.state_slots is not None:
+            assert bm.state_slots.num_used == 0, "a state slot is still held"
+            assert bm.state_slots.num_free == bm.state_slots.num_slots
+        if bm.checkpoints is not None:
+            assert bm.checkpoints.num_pending == 0, "a checkpoint save is still pending"
 
 
 PROMPT_LENGTHS = [5, 8, 13, 16, 23, 30, 37, 41]
@@ -433,3 +440,267 @@ def test_two_engine_processes_over_grpc(tmp_path, reference):
     finally:
         producer.stop()
         consumer.stop()
+
+
+# -- hybrid models: the state slot travels with the blocks ------------------------------------------
+
+HYBRID_MODELS = ["dummy:tiny-qwen3-next", "dummy:tiny-qwen3.5"]
+STRIDE = 2 * BLOCK  # state checkpoint stride: prompts below reach past it
+# 8 and 16: exact multiples of the block size (and of the stride); 23 and 30: past the stride.
+HYBRID_LENGTHS = [5, 8, 13, 16, 23, 30]
+
+
+class Hybrid:
+    """A reference, a producer and a consumer of one hybrid model (checkpoints every STRIDE)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.ref = make_core("none", model=model, checkpoint_stride=STRIDE)
+        self.producer = make_core("producer", model=model, checkpoint_stride=STRIDE)
+        self.consumer = make_core("consumer", model=model, checkpoint_stride=STRIDE)
+
+    def close(self) -> None:
+        for core in (self.ref, self.producer, self.consumer):
+            core.engine.close()
+
+
+@pytest.fixture(scope="module", params=HYBRID_MODELS)
+def hybrid(request) -> Hybrid:
+    h = Hybrid(request.param)
+    yield h
+    h.close()
+
+
+def _state_io(core: EngineCore):
+    from tandem.engine_service.kv_connector.state_io import StateSlotIO
+
+    bm = core.engine.block_manager
+    runner = core.engine.runner
+    return StateSlotIO(runner.cache_layout, runner.cache_tensors, bm.state_slots.num_slots)
+
+
+def test_hybrid_two_legs_equal_one_engine(hybrid):
+    """Blocks and the state slot after exactly the prompt: the decode leg continues it."""
+    prompts = {f"h{i}": prompt(200 + i, n) for i, n in enumerate(HYBRID_LENGTHS)}
+    max_tokens = 6
+    consumer_before = hybrid.consumer.engine.stats()
+    ref = run(hybrid.ref, [request(rid, t, max_tokens) for rid, t in prompts.items()])
+    legs = prefill_leg(hybrid.producer, prompts)
+    bm = hybrid.producer.engine.block_manager
+    assert bm.state_slots.num_used == len(prompts)  # every slot held by its lease
+    slots = [legs[rid].final.kv_transfer_params.remote_state_slot for rid in prompts]
+    assert None not in slots and len(set(slots)) == len(prompts)
+    decoded = decode_leg(hybrid.consumer, prompts, legs, max_tokens)
+    for rid in prompts:
+        assert decoded[rid].final.error is None, decoded[rid].final.error
+        assert legs[rid].tokens + decoded[rid].tokens == ref[rid].tokens, rid
+        np.testing.assert_allclose(legs[rid].logprobs + decoded[rid].logprobs, ref[rid].logprobs, atol=1e-4)
+    assert len({tuple(r.tokens) for r in ref.values()}) == len(prompts)
+    st = hybrid.consumer.engine.stats()
+    blocks = sum(-(-n // BLOCK) for n in HYBRID_LENGTHS)
+    assert st.kv_remote_blocks_pulled - consumer_before.kv_remote_blocks_pulled == blocks
+    block_bytes = hybrid.consumer.engine.kv.worker.block_io.block_bytes[0]
+    slot_bytes = hybrid.consumer.engine.kv.worker.state_io.slot_bytes
+    assert slot_bytes > 0
+    assert (st.kv_remote_bytes_pulled - consumer_before.kv_remote_bytes_pulled
+            == blocks * block_bytes + len(prompts) * slot_bytes)
+    # The consumer computed only the first token's position of each prompt.
+    assert st.prompt_tokens_total - consumer_before.prompt_tokens_total == sum(HYBRID_LENGTHS) + len(prompts)
+    assert_all_free(hybrid.producer, hybrid.consumer, hybrid.ref)
+
+
+def test_hybrid_decode_leg_without_the_state_would_differ(hybrid):
+    """The parity above is not luck: zeroing the producer's leased state slot (its blocks kept)
+    changes the decode."""
+    prompts = {"hz": prompt(220, 19)}
+    ref = run(hybrid.ref, [request("hz", prompts["hz"], 5)])
+    legs = prefill_leg(hybrid.producer, prompts)
+    slot = legs["hz"].final.kv_transfer_params.remote_state_slot
+    io = _state_io(hybrid.producer)
+    io.write_slot(slot, bytes(io.slot_bytes))
+    decoded = decode_leg(hybrid.consumer, prompts, legs, 5)
+    assert decoded["hz"].final.error is None
+    assert not np.allclose(legs["hz"].logprobs + decoded["hz"].logprobs, ref["hz"].logprobs, atol=1e-4)
+    assert_all_free(hybrid.producer, hybrid.consumer, hybrid.ref)
+
+
+def test_hybrid_shared_prefix_pulls_only_new_blocks_and_restores_no_local_checkpoint(hybrid):
+    """The consumer holds a prefix's K/V (and a state checkpoint inside it): the decode leg hits
+    the K/V alone, pulls only the blocks after them plus the state, and restores no checkpoint
+    over the pulled state."""
+    from tandem.engine_service.sequence import SamplingParams as SeqParams
+    from tandem.engine_service.sequence import Sequence
+
+    consumer, producer = hybrid.consumer, hybrid.producer
+    base = prompt(230, 5 * BLOCK)  # five full blocks, two checkpoint positions (8, 16)
+    # A local request on the consumer caches the base's blocks and its state checkpoints.
+    run(consumer, [request("local", base + prompt(231, 3), 2)])
+    second = {"hb": base + prompt(232, 9)}
+    legs = prefill_leg(producer, second)
+    cbm = consumer.engine.block_manager
+    probe = Sequence("probe", second["hb"] + [legs["hb"].tokens[0]], SeqParams(max_tokens=1))
+    assert cbm.match_prefix(probe) == 2 * STRIDE  # a local hit would restore the checkpoint at 16
+    assert cbm.match_prefix(probe, state_loaded=True) == 5 * BLOCK  # the pulled state needs K/V only
+    restored = cbm.checkpoints.num_restored
+    pulled = consumer.engine.stats().kv_remote_blocks_pulled
+    frames = producer.engine.kv.server.frames_sent
+    decoded = decode_leg(consumer, second, legs, 5)
+    ref = run(hybrid.ref, [request("hb", second["hb"], 5)])
+    assert legs["hb"].tokens + decoded["hb"].tokens == ref["hb"].tokens
+    assert cbm.checkpoints.num_restored == restored
+    new_blocks = -(-len(second["hb"]) // BLOCK) - 5
+    assert consumer.engine.stats().kv_remote_blocks_pulled - pulled == new_blocks
+    assert producer.engine.kv.server.frames_sent - frames == new_blocks + 1  # the blocks, then the state
+    assert decoded["hb"].final.num_cached_prompt_tokens == 5 * BLOCK
+    # A prompt the consumer holds whole: no block to pull, the state still comes.
+    third = {"hc": second["hb"][:6 * BLOCK]}
+    legs = prefill_leg(producer, third)
+    pulled = consumer.engine.stats().kv_remote_blocks_pulled
+    frames = producer.engine.kv.server.frames_sent
+    decoded = decode_leg(consumer, third, legs, 4)
+    ref = run(hybrid.ref, [request("hc", third["hc"], 4)])
+    assert legs["hc"].tokens + decoded["hc"].tokens == ref["hc"].tokens
+    assert consumer.engine.stats().kv_remote_blocks_pulled == pulled
+    assert producer.engine.kv.server.frames_sent - frames == 1
+    assert decoded["hc"].final.num_cached_prompt_tokens == 6 * BLOCK
+    assert_all_free(producer, consumer, hybrid.ref)
+    assert producer.engine.stats().kv_leases_expired == 0
+
+
+def test_hybrid_cuda_ipc_path_through_the_cpu_stand_in(hybrid):
+    """The state tensors are exported with the cache tensors and the slot copied device to device."""
+    producer = make_core("producer", model=hybrid.model, transport="cuda_ipc", ipc=InProcessChannel(),
+                         checkpoint_stride=STRIDE)
+    consumer = make_core("consumer", model=hybrid.model, ipc=InProcessChannel(), checkpoint_stride=STRIDE)
+    try:
+        prompts = {f"hi{i}": prompt(240 + i, n) for i, n in enumerate([7, 16, 26])}
+        legs = prefill_leg(producer, prompts)
+        assert all(res.final.kv_transfer_params.remote_transport == "cuda_ipc" for res in legs.values())
+        decoded = decode_leg(consumer, prompts, legs, 5)
+        ref = run(hybrid.ref, [request(rid, t, 5) for rid, t in prompts.items()])
+        for rid in prompts:
+            assert decoded[rid].final.error is None, decoded[rid].final.error
+            assert legs[rid].tokens + decoded[rid].tokens == ref[rid].tokens
+        assert producer.engine.kv.server.frames_sent == 0  # nothing went over the byte stream
+        assert_all_free(producer, consumer, hybrid.ref)
+    finally:
+        producer.engine.close()
+        consumer.engine.close()
+
+
+def test_hybrid_overlapped_scheduling_never_feeds_the_first_token_on_the_producer(hybrid):
+    """Overlap on: a prefill leg of max_tokens 1 is not scheduled again while its token is
+    pending, so its slot holds the state after exactly the prompt; a leg that fed a generated
+    token (max_tokens 2) gets no lease, and its decode leg would compute the prompt itself."""
+    producer = make_core("producer", model=hybrid.model, overlap="on", checkpoint_stride=STRIDE)
+    consumer = make_core("consumer", model=hybrid.model, overlap="on", checkpoint_stride=STRIDE)
+    try:
+        prompts = {f"ho{i}": prompt(250 + i, n) for i, n in enumerate([9, 24])}
+        ref = run(hybrid.ref, [request(rid, t, 5) for rid, t in prompts.items()])
+        legs = prefill_leg(producer, prompts)
+        decoded = decode_leg(consumer, prompts, legs, 5)
+        for rid in prompts:
+            assert legs[rid].tokens + decoded[rid].tokens == ref[rid].tokens
+        two = run(producer, [request("ho-2", prompt(252, 11), 2, KVTransferParams(do_remote_decode=True))])
+        final = two["ho-2"].final
+        assert final.finish_reason == FinishReason.LENGTH and len(two["ho-2"].tokens) == 2
+        assert final.kv_transfer_params.lease_id is None and not final.kv_transfer_params.do_remote_prefill
+        assert producer.engine.stats().kv_leases_active == 0
+        assert_all_free(producer, consumer, hybrid.ref)
+    finally:
+        producer.engine.close()
+        consumer.engine.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid_next() -> Hybrid:
+    h = Hybrid(HYBRID_MODELS[0])
+    yield h
+    h.close()
+
+
+def test_hybrid_lease_expiry_frees_blocks_and_the_state_slot(hybrid_next):
+    producer = make_core("producer", model=hybrid_next.model, lease_seconds=0.3)
+    try:
+        prompts = {"he": prompt(260, 18)}
+        legs = prefill_leg(producer, prompts)
+        bm = producer.engine.block_manager
+        assert producer.engine.stats().kv_blocks_used > 0 and bm.state_slots.num_used == 1  # the lease's
+        time.sleep(0.4)
+        producer.tick()
+        st = producer.engine.stats()
+        assert (st.kv_blocks_used, st.kv_leases_active, st.kv_leases_expired, bm.state_slots.num_used) == (0, 0, 1, 0)
+        decoded = decode_leg(hybrid_next.consumer, prompts, legs, 4)
+        final = decoded["he"].final
+        assert final.finish_reason == FinishReason.ERROR
+        assert "kv_transfer_failed" in final.error and "expired" in final.error
+        assert_all_free(producer, hybrid_next.consumer)
+    finally:
+        producer.engine.close()
+
+
+def test_hybrid_aborts_free_blocks_and_state_slots_on_both_sides(hybrid_next):
+    producer, consumer = hybrid_next.producer, hybrid_next.consumer
+    # Abort of the prefill id: the lease, its blocks and its slot go.
+    prefill_leg(producer, {"ha": prompt(270, 21)})
+    assert producer.engine.block_manager.state_slots.num_used == 1
+    producer.apply(CoreAbort(["ha-p"]))
+    assert_all_free(producer)
+    # Abort of the decode leg while the blocks are on the wire: both sides free everything.
+    prompts = {"hd": prompt(271, 40)}
+    legs = prefill_leg(producer, prompts)
+    sending = threading.Event()
+
+    def slow(data: bytes) -> bytes:
+        sending.set()
+        time.sleep(0.05)
+        return data
+
+    producer.engine.kv.server.tamper = slow
+
+    def abort_once_sending(core: EngineCore, step: int) -> None:
+        if step == 1:
+            assert sending.wait(10)
+            assert core.engine.block_manager.state_slots.num_used == 1  # taken for the load
+            core.apply(CoreAbort(["hd-d"]))
+
+    try:
+        decoded = decode_leg(consumer, prompts, legs, 4, during=abort_once_sending)
+    finally:
+        producer.engine.kv.server.tamper = None
+    assert decoded["hd"].final.finish_reason == FinishReason.ABORT
+    consumer.step()  # the plan that tells the worker to drop the load
+    assert consumer.engine.kv.worker.num_loading == 0
+    assert_all_free(producer, consumer)
+    assert producer.engine.stats().kv_leases_expired == 0
+
+
+def test_hybrid_corrupted_state_frame_fails_the_decode_leg_and_frees_both_sides(hybrid_next):
+    producer, consumer = hybrid_next.producer, hybrid_next.consumer
+    prompts = {"hk": prompt(280, 17)}
+    legs = prefill_leg(producer, prompts)
+    producer.engine.kv.server.tamper_state = lambda data: data[:-1] + bytes([data[-1] ^ 0xFF])
+    try:
+        decoded = decode_leg(consumer, prompts, legs, 4)
+    finally:
+        producer.engine.kv.server.tamper_state = None
+    final = decoded["hk"].final
+    assert final.finish_reason == FinishReason.ERROR
+    assert "kv_transfer_failed" in final.error and "checksum mismatch in the state" in final.error
+    assert decoded["hk"].tokens == []
+    assert_all_free(producer, consumer)
+
+
+def test_hybrid_decode_leg_without_a_state_slot_is_refused(hybrid_next):
+    producer, consumer = hybrid_next.producer, hybrid_next.consumer
+    prompts = {"hn": prompt(290, 14)}
+    legs = prefill_leg(producer, prompts)
+    params = legs["hn"].final.kv_transfer_params
+    params.remote_state_slot = None  # e.g. a producer that does not offer state
+    decoded = decode_leg(consumer, prompts, legs, 4)
+    final = decoded["hn"].final
+    assert final.finish_reason == FinishReason.ERROR
+    assert "kv_transfer_failed" in final.error and "remote_state_slot" in final.error
+    assert decoded["hn"].tokens == []
+    producer.apply(CoreAbort(["hn-p"]))  # the refused leg never contacted the producer
+    assert_all_free(producer, consumer)

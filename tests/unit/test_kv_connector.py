@@ -13,7 +13,14 @@ import torch
 
 from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
 from tandem.engine_service.block_pool import PagedGroup
-from tandem.engine_service.cache_spec import CacheGroup, CacheLayout, FullAttentionSpec, LatentSpec, SlidingWindowSpec
+from tandem.engine_service.cache_spec import (
+    CacheGroup,
+    CacheLayout,
+    FullAttentionSpec,
+    LatentSpec,
+    SlidingWindowSpec,
+    StateSpec,
+)
 from tandem.engine_service.cache_tensors import allocate_cache_tensors
 from tandem.engine_service.config import KVTransferConfig
 from tandem.engine_service.kv_cache import NULL_BLOCK, BlockManager
@@ -21,10 +28,12 @@ from tandem.engine_service.kv_connector.block_io import KVBlockIO
 from tandem.engine_service.kv_connector.leases import LeasedBlocks, LeaseTable
 from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, LoadSpec
 from tandem.engine_service.kv_connector.scheduler_side import KVConnectorScheduler, LoadRefused
-from tandem.engine_service.kv_connector.tcp_transport import KVPullServer, TransferError, connect, pull_blocks
+from tandem.engine_service.kv_connector.state_io import StateSlotIO
+from tandem.engine_service.kv_connector.tcp_transport import KVPullServer, TransferError, connect, pull, pull_blocks
 from tandem.engine_service.kv_connector.wire import (
     BlockFrame,
     PullEnd,
+    StateFrame,
     WireError,
     checksum,
     recv_message,
@@ -159,6 +168,68 @@ def test_missing_blocks_and_malformed_frames_are_errors():
             recv_message(a)
 
 
+def _state_server(state_bytes: int = 24):
+    table = LeaseTable()
+    blocks = FakeBlocks([{i: bytes([i]) * 64 for i in range(8)}])
+    srv = KVPullServer("127.0.0.1", 0, table, blocks, read_state=lambda slot: bytes([200 + slot]) * state_bytes)
+    return srv.start()
+
+
+def _pull_state(srv: KVPullServer, lease_id: str, ids: list[list[int]], slot: int | None, state_bytes: int = 24):
+    with connect(srv.host, srv.port, 5) as sock:
+        sock.settimeout(5)
+        return pull(sock, lease_id, ids, [64], slot, state_bytes)
+
+
+def test_tcp_pull_carries_the_lease_state_slot_after_the_blocks():
+    srv = _state_server()
+    try:
+        lease = srv.leases.grant("r", LeasedBlocks("r", [[1, 2]], state_slot=3), 30)
+        got = _pull_state(srv, lease.lease_id, [[2]], 3)
+        assert got.blocks == [[bytes([2]) * 64]] and got.state == bytes([203]) * 24
+        assert srv.frames_sent == 2  # the block, then the state
+        _wait_released(srv.leases, lease.lease_id)
+        # Without a state slot in the request, no state frame is sent.
+        lease = srv.leases.grant("s", LeasedBlocks("s", [[1]], state_slot=0), 30)
+        assert _pull_state(srv, lease.lease_id, [[1]], None).state is None
+        # A slot that is not the lease's is refused; a lease without a slot has none to give.
+        lease = srv.leases.grant("t", LeasedBlocks("t", [[1]], state_slot=5), 30)
+        with pytest.raises(TransferError, match="state slot 4 is not in the lease"):
+            _pull_state(srv, lease.lease_id, [[1]], 4)
+        lease = srv.leases.grant("u", LeasedBlocks("u", [[1]]), 30)
+        with pytest.raises(TransferError, match="state slot 0 is not in the lease"):
+            _pull_state(srv, lease.lease_id, [[1]], 0)
+    finally:
+        srv.close()
+
+
+def test_corrupted_or_mis_sized_state_frames_are_detected():
+    srv = _state_server()
+    try:
+        lease = srv.leases.grant("r", LeasedBlocks("r", [[1]], state_slot=2), 30)
+        srv.tamper_state = lambda data: bytes([data[0] ^ 1]) + data[1:]
+        with pytest.raises(TransferError, match="checksum mismatch in the state of slot 2"):
+            _pull_state(srv, lease.lease_id, [[1]], 2)
+        _wait_released(srv.leases, lease.lease_id)  # a failed pull releases too
+        srv.tamper_state = None
+        lease = srv.leases.grant("s", LeasedBlocks("s", [[1]], state_slot=2), 30)
+        with pytest.raises(TransferError, match="state frame has 24 bytes, expected 32"):
+            _pull_state(srv, lease.lease_id, [[1]], 2, state_bytes=32)
+    finally:
+        srv.close()
+    # A producer that ends without the requested state, or sends one nobody asked for.
+    a, b = socket.socketpair()
+    with a, b:
+        send_message(b, PullEnd(num_frames=0))
+        with pytest.raises(TransferError, match="after 0 of 1 frames \\(blocks and the state\\)"):
+            pull(a, "l", [[]], [8], 1, 8)
+    a, b = socket.socketpair()
+    with a, b:
+        send_message(b, StateFrame(slot=1, data=b"x" * 8, crc32=checksum(b"x" * 8)))
+        with pytest.raises(TransferError, match="state frame for slot 1, requested None"):
+            pull(a, "l", [[]], [8])
+
+
 # -- block I/O ------------------------------------------------------------------------------------
 
 
@@ -206,6 +277,65 @@ def test_block_io_round_trip_over_every_group_and_layer():
         assert c.read_blocks(g, [7, 0]) == a.read_blocks(g, [3, 5])
     with pytest.raises(ValueError, match="expected"):
         b.write_blocks(0, [1], [b"short"])
+
+
+def _hybrid_layout() -> CacheLayout:
+    return CacheLayout((
+        CacheGroup("full_attention", FullAttentionSpec(2, 8, "float32"), (1,)),
+        CacheGroup("linear_attention_state", StateSpec(((3, 5), (2, 4, 4)), ("float32", "bfloat16")), (0, 2)),
+    ))
+
+
+def _hybrid_tensors(layout: CacheLayout, seed: int, num_slots: int = 4, num_checkpoints: int = 2):
+    groups = []
+    for g in layout.groups:
+        if g.paged:
+            groups.append(GroupPlan(g.name, g.spec.kind, g.layer_ids, num_blocks=6,
+                                    bytes_per_block=g.bytes_per_block(BS)))
+        else:
+            groups.append(GroupPlan(g.name, "state", g.layer_ids, num_slots=num_slots,
+                                    bytes_per_slot=g.bytes_per_slot(), num_checkpoint_slots=num_checkpoints))
+    tensors = allocate_cache_tensors(layout, MemoryPlan(groups=tuple(groups), block_size=BS), 3, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    for layers in tensors.state.values():
+        for ts in layers.values():
+            for t in ts:
+                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return tensors
+
+
+def test_state_slot_io_moves_one_slot_of_every_state_layer_in_a_fixed_order():
+    layout = _hybrid_layout()
+    src, dst = _hybrid_tensors(layout, 1), _hybrid_tensors(layout, 2)
+    a, b = StateSlotIO(layout, src, 4), StateSlotIO(layout, dst, 4)
+    # Layer 0 (conv, recurrent), then layer 2 (conv, recurrent).
+    assert [tuple(t.shape[1:]) for t in a.tensors] == [(3, 5), (2, 4, 4), (3, 5), (2, 4, 4)]
+    assert a.slot_bytes == 2 * (15 * 4 + 32 * 2)
+    data = a.read_slot(1)
+    assert data[:60] == src.state["linear_attention_state"][0][0][1].numpy().tobytes()
+    before = [t.clone() for t in b.tensors]
+    b.write_slot(3, data)
+    for t_src, t_dst, t0 in zip(a.tensors, b.tensors, before):
+        assert torch.equal(t_dst[3], t_src[1])
+        keep = [i for i in range(t_dst.shape[0]) if i != 3]
+        assert torch.equal(t_dst[keep], t0[keep])  # checkpoint and scratch slots untouched
+    # The device-copy path (CUDA IPC's) writes the same.
+    c = StateSlotIO(layout, _hybrid_tensors(layout, 3), 4)
+    c.copy_slot_from(a.tensors, 1, 0)
+    assert c.read_slot(0) == data
+    with pytest.raises(ValueError, match="expected 248"):
+        b.write_slot(0, data[:-1])
+    with pytest.raises(ValueError, match="outside the 4 request slots"):
+        b.read_slot(4)  # a checkpoint slot never travels
+    other = CacheLayout((layout.groups[0], CacheGroup("s", StateSpec(((3, 6),), ("float32",)), (0, 2))))
+    with pytest.raises(ValueError, match="does not match"):
+        StateSlotIO(other, _hybrid_tensors(other, 4), 4).copy_slot_from(a.tensors[:2], 0, 0)
+
+
+def test_block_io_covers_the_paged_groups_of_a_hybrid_layout():
+    layout = _hybrid_layout()
+    io = KVBlockIO(layout, _hybrid_tensors(layout, 1))
+    assert io.num_groups == 1 and io.block_bytes == [2 * BS * 2 * 8 * 4]
 
 
 # -- scheduler side -------------------------------------------------------------------------------
@@ -327,6 +457,88 @@ def test_producer_leases_a_finished_prefill_and_sweep_frees_it():
     other.finish(FinishReason.STOP)
     kv.on_request_finished(other)
     assert other.kv_transfer_params.lease_id is None and len(kv.leases) == 0
+
+
+def _hybrid_bm() -> BlockManager:
+    # 4 request slots, 2 checkpoint slots, a checkpoint every two blocks.
+    return BlockManager(32, BS, groups=[PagedGroup("g0", 32, None)], num_state_slots=4, num_checkpoint_slots=2,
+                        checkpoint_stride=2 * BS)
+
+
+def test_hybrid_admit_load_takes_a_slot_hits_kv_alone_and_restores_or_saves_no_checkpoint():
+    bm = _hybrid_bm()
+    kv = _connector(bm)
+    prompt = list(range(10, 33))  # 23 tokens
+    # A local request computed the first 3 blocks: a checkpoint at 8 (the stride), K/V to 12.
+    local = _seq("local", prompt[:13])
+    assert bm.allocate(local, 8)  # a chunk ending on the checkpoint position saves the state there
+    local.num_computed_tokens = 8
+    bm.commit(local)
+    assert bm.allocate(local, 5)
+    local.num_computed_tokens = 13
+    bm.commit(local)
+    bm.pop_state_copies()
+    bm.free(local)
+    assert bm.checkpoints.num_registered == 1
+    seq = _seq("d", prompt + [7], _params(23, [[100, 101, 102, 103, 104, 105]], remote_state_slot=2))
+    assert bm.match_prefix(seq) == 8  # a local admission would restore the checkpoint at 8
+    assert kv.admit_load(seq)
+    assert seq.num_computed_tokens == 12  # the K/V hit: the pulled state covers all 23 tokens
+    assert seq.state_slot is not None and bm.state_slots.num_used == 1
+    assert bm.pop_state_copies() == ([], [])  # no restore over the pulled state, no save of an empty slot
+    assert bm.checkpoints.num_restored == 0 and bm.checkpoints.num_pending == 0
+    (spec,) = kv.take_metadata().start_loads
+    assert spec.remote_block_ids == [[103, 104, 105]]
+    assert (spec.remote_state_slot, spec.local_state_slot) == (2, seq.state_slot)
+    bm.free(seq)
+    assert bm.state_slots.num_used == 0
+
+
+def test_hybrid_admit_load_refuses_parameters_without_a_state_slot():
+    bm = _hybrid_bm()
+    kv = _connector(bm)
+    seq = _seq("d", list(range(10, 20)), _params(9, [[1, 2, 3]]))
+    with pytest.raises(LoadRefused, match="lacks remote_state_slot"):
+        kv.admit_load(seq)
+    assert bm.state_slots.num_used == 0 and bm.num_free_blocks == 32
+    # NIXL moves blocks only: a load with state goes over TCP.
+    kv = KVConnectorScheduler(KVTransferConfig(role="consumer"), bm, "me", None, local_transports=("tcp", "nixl"))
+    seq = _seq("e", list(range(10, 20)), _params(9, [[1, 2, 3]], remote_state_slot=0, remote_transport="nixl"))
+    assert kv.admit_load(seq)
+    (spec,) = kv.take_metadata().start_loads
+    assert spec.transport == "tcp" and spec.remote_state_slot == 0
+    bm.free(seq)
+
+
+def test_hybrid_producer_leases_the_slot_only_after_exactly_the_prompt():
+    bm = _hybrid_bm()
+    kv = _connector(bm, role="producer")
+    prompt = list(range(10, 20))
+    seq = _seq("p", prompt, KVTransferParams(do_remote_decode=True))
+    assert bm.allocate(seq, 10)
+    slot = seq.state_slot
+    seq.num_computed_tokens = 10
+    seq.append_token(42)
+    seq.finish(FinishReason.LENGTH)
+    kv.on_request_finished(seq)
+    assert seq.kv_transfer_params.remote_state_slot == slot and seq.state_slot is None
+    bm.free(seq)
+    assert bm.state_slots.num_used == 1  # held by the lease
+    assert kv.release_request("p") and kv.sweep() == 1
+    assert bm.state_slots.num_used == 0
+    # A leg that fed its first generated token through the model: its state is past the prompt.
+    fed = _seq("f", prompt, KVTransferParams(do_remote_decode=True))
+    assert bm.allocate(fed, 10)
+    fed.num_computed_tokens = 10
+    fed.append_token(42)
+    assert bm.allocate(fed, 1)
+    fed.num_computed_tokens = 11
+    fed.append_token(43)
+    fed.finish(FinishReason.LENGTH)
+    kv.on_request_finished(fed)
+    assert fed.kv_transfer_params.lease_id is None and len(kv.leases) == 0 and fed.state_slot is not None
+    bm.free(fed)
+    assert bm.state_slots.num_used == 0
 
 
 # -- worker side ----------------------------------------------------------------------------------
