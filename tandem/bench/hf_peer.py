@@ -150,13 +150,16 @@ CB_MODE, STATIC_MODE = "continuous_batching", "generate_static_batches"
 def cb_unsupported_reason(hf: torch.nn.Module) -> str | None:
     """Why transformers' continuous batching cannot serve `hf` (None when it can): its own
     grouping of layers by attention type, which raises for a layer type its paged cache has no
-    allocator for (where this transformers lacks it, the same check on `config.layer_types`)."""
+    allocator for. The layer types are checked first: some releases (5.17) group a
+    `linear_attention` layer without complaint and only fail when the cache is built."""
+    types = set(getattr(hf.config, "layer_types", None) or ())
+    unknown = sorted(types - {"full_attention", "sliding_attention"})
+    if unknown:
+        return f"layer types {unknown} have no continuous-batching cache"
     try:
         from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
     except ImportError:
-        types = set(getattr(hf.config, "layer_types", None) or ())
-        unknown = sorted(types - {"full_attention", "sliding_attention"})
-        return f"layer types {unknown} have no continuous-batching cache" if unknown else None
+        return None
     try:
         group_layers_by_attn_type(hf.config)
     except ValueError as exc:

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from tandem.gpu_checks.divergence import TIE_NATS, TOP_LOGPROBS, judge_divergence  # noqa: F401 - TIE_NATS re-exported
+
 CHILD_FLAG = "--serve-child"
 
 
@@ -353,32 +355,6 @@ def part_engines(args: argparse.Namespace) -> dict[str, Any]:
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
-
-
-# Greedy tokens of one engine and of two (prefill leg, pulled KV, decode leg) are computed by
-# different kernels for the first generated token's KV (a decode step there, a one-token prefill
-# chunk here), so in bfloat16 they may round differently; with random weights the top logits are
-# close and greedy picks can then flip. A divergence counts as a near tie when the token the
-# disaggregated run chose is within TIE_NATS (in the single run's log-probabilities) of the token
-# the single run chose at that position: rounding, not a wrong KV. Anything else is a mismatch.
-TOP_LOGPROBS = 20
-TIE_NATS = 0.1
-
-
-def judge_divergence(single: list[int], disaggregated: list[int], single_top: list[dict[int, float]]) -> dict | None:
-    """None when the two token lists are equal; else where they first differ and whether that is a
-    near tie (see TIE_NATS): `single_top[i]` maps the single run's top tokens at position i to
-    their log-probabilities."""
-    if single == disaggregated:
-        return None
-    i = next((k for k, (a, b) in enumerate(zip(single, disaggregated)) if a != b), min(len(single), len(disaggregated)))
-    verdict = {"position": i, "single": single, "disaggregated": disaggregated, "near_tie": False, "gap_nats": None}
-    if i < min(len(single), len(disaggregated)) and i < len(single_top):
-        top = single_top[i]
-        if single[i] in top and disaggregated[i] in top:
-            gap = top[single[i]] - top[disaggregated[i]]
-            verdict.update(gap_nats=round(gap, 5), near_tie=gap <= TIE_NATS)
-    return verdict
 
 
 # -- main -------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from tandem.engine_service.scheduler import ScheduledSeq
 from tandem.engine_service.sequence import SamplingParams, Sequence
 from tandem.engine_service.worker import StepWorker, WorkerStep
 from tandem.engine_service.worker_rows import StepBatch, host_inputs_from_rows
+from tandem.gpu_checks.divergence import TOP_LOGPROBS, judge_divergence
 
 DEVICE = "cuda"
 BLOCK_SIZE = 16
@@ -386,15 +387,13 @@ def part_timing(variants: dict[str, Variant], iters: int) -> dict[str, Any]:
     return result
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
-    """Index of the first differing token (the shorter length when one is a prefix of the other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def part_overlap(args: argparse.Namespace, variants: dict[str, Variant]) -> dict[str, Any]:
-    """The Triton + CUDA-graph runner driven with overlapped scheduling off and on: tokens must be
-    identical (requests end by length only, so both modes launch the same batches through the same
-    kernels), and the wall time of each run is reported."""
+    """The Triton + CUDA-graph runner driven with overlapped scheduling off and on, and the wall
+    time of each run. Requests end by length only, but a finished request's row frees one step
+    later with overlap, so later requests are admitted (and their prompts chunked) in other
+    steps: for dense models the tokens have come out identical; a divergence is accepted only as
+    a near tie (`divergence.judge_divergence`, the off run's log-probabilities), since hybrid
+    models' chunked state and batch-shape-dependent matmuls round differently."""
     if "triton_graphs" not in variants:
         return {"ok": False, "error": "triton_graphs engine not built"}
     runner = variants["triton_graphs"].recorder.runner
@@ -404,29 +403,40 @@ def part_overlap(args: argparse.Namespace, variants: dict[str, Variant]) -> dict
     result: dict[str, Any] = {"requests": OVERLAP_REQUESTS, "prompt_len": OVERLAP_PROMPT_LEN,
                               "output_len": OVERLAP_OUTPUT_LEN}
     tokens: dict[str, dict[str, list[int]]] = {}
+    top_logprobs: dict[str, dict[str, list[dict[int, float]]]] = {}
     for mode in ("off", "on", "off", "on"):  # twice each: the first of each pays for warm-up
         engine = LLMEngine(_config(args, VARIANTS["triton_graphs"], mode), runner=runner)
-        params = SamplingParams(max_tokens=OVERLAP_OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=OVERLAP_OUTPUT_LEN, temperature=0.0, ignore_eos=True,
+                                logprobs=TOP_LOGPROBS)
         for i, prompt in enumerate(prompts):
             engine.add_request(f"o{i}", prompt, params)
         got: dict[str, list[int]] = {f"o{i}": [] for i in range(len(prompts))}
+        tops: dict[str, list[dict[int, float]]] = {rid: [] for rid in got}
         torch.cuda.synchronize()
         start = time.perf_counter()
         steps = 0
         while engine.has_work():
             for o in engine.step():
                 got[o.request_id].extend(o.new_token_ids)
+                tops[o.request_id].extend(dict(lp.top) if lp is not None else {} for lp in o.new_logprobs)
             steps += 1
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         tokens[mode] = got
+        top_logprobs[mode] = tops
         result[f"overlap_{mode}"] = {"seconds": round(seconds, 4), "steps": steps, "engine_overlap": engine.overlap,
                                      "output_tok_per_s": round(sum(map(len, got.values())) / seconds, 1),
                                      "kv_blocks_used_after": engine.block_manager.num_used_blocks}
-    mismatched = [rid for rid in tokens["off"] if tokens["off"][rid] != tokens["on"][rid]]
+    verdicts = {rid: judge_divergence(tokens["off"][rid], tokens["on"][rid], top_logprobs["off"][rid])
+                for rid in tokens["off"]}
+    diverged = {rid: v for rid, v in verdicts.items() if v is not None}
+    mismatched = [rid for rid, v in diverged.items() if not v["near_tie"]]
+    result["identical_requests"] = len(verdicts) - len(diverged)
+    result["near_tie_requests"] = [rid for rid, v in diverged.items() if v["near_tie"]]
     result["mismatched_requests"] = mismatched
-    result["first_mismatches"] = [
-        {"request": rid, "position": _first_difference(tokens["off"][rid], tokens["on"][rid])} for rid in mismatched[:8]
+    result["first_divergences"] = [
+        {"request": rid, "position": v["position"], "gap_nats": v["gap_nats"], "near_tie": v["near_tie"]}
+        for rid, v in list(diverged.items())[:12]
     ]
     result["speedup"] = round(result["overlap_off"]["seconds"] / result["overlap_on"]["seconds"], 3)
     complete = all(len(t) == OVERLAP_OUTPUT_LEN for t in tokens["on"].values())
@@ -466,7 +476,8 @@ def _table(report: dict[str, Any]) -> str:
         lines.append(
             f"  overlap {overlap['requests']}x{overlap['prompt_len']}+{overlap['output_len']} greedy: off "
             f"{overlap['overlap_off']['output_tok_per_s']:.0f} tok/s, on {overlap['overlap_on']['output_tok_per_s']:.0f} "
-            f"tok/s ({overlap['speedup']}x), mismatched requests {len(overlap['mismatched_requests'])}"
+            f"tok/s ({overlap['speedup']}x), identical {overlap['identical_requests']}, near ties "
+            f"{len(overlap['near_tie_requests'])}, mismatched {len(overlap['mismatched_requests'])}"
         )
     lines.append(f"overall ok: {report['ok']}")
     return "\n".join(lines)

@@ -303,7 +303,12 @@ def test_peer_mode_follows_what_continuous_batching_serves(monkeypatch) -> None:
 
     hybrid = hf_peer.build_hf_model(get_dummy_config("tiny-qwen3-next"), "meta", torch.float32)
     dense = hf_peer.build_hf_model(get_dummy_config("tiny-qwen3"), "meta", torch.float32)
-    assert "Invalid layer type: linear_attention" in hf_peer.cb_unsupported_reason(hybrid)
+    assert "['linear_attention'] have no continuous-batching cache" in hf_peer.cb_unsupported_reason(hybrid)
+    assert hf_peer.cb_unsupported_reason(dense) is None
+    # Also where transformers' own grouping would accept the layer type (5.17 does, then fails later).
+    monkeypatch.setattr("transformers.generation.continuous_batching.cache.group_layers_by_attn_type",
+                        lambda config: None, raising=False)
+    assert "linear_attention" in hf_peer.cb_unsupported_reason(hybrid)
     assert hf_peer.cb_unsupported_reason(dense) is None
     calls = []
     monkeypatch.setattr(hf_peer, "run_static_batches", lambda *a, **k: calls.append("static") or {"completed": 0})

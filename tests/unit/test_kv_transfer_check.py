@@ -1,8 +1,9 @@
-"""How `tandem.gpu_checks.kv_transfer` judges greedy tokens of one engine against two."""
+"""How the GPU checks judge two greedy runs (`tandem.gpu_checks.divergence`: one engine against
+two in kv_transfer, overlap off against on in model_parity)."""
 
 from __future__ import annotations
 
-from tandem.gpu_checks.kv_transfer import TIE_NATS, judge_divergence
+from tandem.gpu_checks.divergence import TIE_NATS, judge_divergence
 
 
 def test_equal_tokens_have_no_divergence():
