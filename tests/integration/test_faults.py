@@ -221,6 +221,14 @@ def two_replicas(smollm2_dir, server_tools):
                              "--engine", f"127.0.0.1:{e1}", "--engine", f"127.0.0.1:{e2}"])
     try:
         t.wait_serving(f"127.0.0.1:{fport}", "tandem.v1.Frontend", 300, front.proc)
+        # The frontend is ready with one replica (a quorum of one); these tests need both in rotation.
+        addresses = {f"127.0.0.1:{e1}", f"127.0.0.1:{e2}"}
+        with TandemClient(f"127.0.0.1:{fport}") as c:
+            deadline = time.monotonic() + 300
+            while set(c.utility("stats")["frontend"]["ready_engines"]) != addresses:
+                assert time.monotonic() < deadline, "both replicas never joined the frontend's rotation"
+                assert all(e.proc.poll() is None for e in engines), "an engine replica exited during start-up"
+                time.sleep(0.2)
         yield {"engines": engines, "frontend": f"127.0.0.1:{fport}", "ports": (e1, e2)}
     finally:
         for p in [front, *engines]:
