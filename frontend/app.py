@@ -23,6 +23,7 @@ from tandem.grpc_service import add_service, enable_reflection
 from tandem.health import add_health
 from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.protocol import Limits
+from tandem.frontend.abort_relay import AbortRelay, socket_address
 from tandem.security import SecurityOptions, add_port
 from tandem.v1 import frontend_pb2
 
@@ -56,6 +57,11 @@ class FrontendOptions:
     # prefill leg on one of `prefill_engines` and a decode leg on one of `decode_engines`.
     prefill_engines: list[str] = field(default_factory=list)
     decode_engines: list[str] = field(default_factory=list)
+    # Several workers on one port (`frontend/workers.py`): this one's index and their count, and
+    # the private folder of their relay sockets (an ABORT reaching the wrong worker is relayed).
+    relay_dir: str | None = None
+    worker_index: int = 0
+    num_workers: int = 1
 
     @property
     def disaggregated(self) -> bool:
@@ -127,8 +133,11 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
         pool = _engine_pool(options, options.engines)
     engine_addresses = options.prefill_engines + options.decode_engines if disaggregated else options.engines
     registry = new_registry()
+    relay = None
+    if options.relay_dir is not None and options.num_workers > 1:
+        relay = AbortRelay(options.relay_dir, options.worker_index, options.num_workers)
     servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(disaggregated or pool, registry),
-                                access=options.security.access_policy(), disaggregated=disaggregated)
+                                access=options.security.access_policy(), disaggregated=disaggregated, relay=relay)
     metrics_host = options.metrics_host if options.metrics_host is not None else options.host
     metrics_endpoint = (
         start_metrics_endpoint(registry, metrics_host, options.metrics_port)
@@ -144,6 +153,8 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     bound = add_port(server, f"{options.host}:{options.port}", options.security)
     if bound == 0:
         raise RuntimeError(f"cannot bind {options.host}:{options.port}")
+    if relay is not None:  # the siblings' relayed ABORTs (plaintext, in the parent's 0700 folder)
+        server.add_insecure_port(socket_address(options.relay_dir, options.worker_index))
     await server.start()
     log.info("frontend_listening", address=f"{options.host}:{bound}", engines=engine_addresses,
              disaggregated=disaggregated is not None,
@@ -176,6 +187,8 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     await health.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     await (disaggregated or pool).close()
+    if relay is not None:
+        await relay.close()
     servicer.close()
     if metrics_endpoint is not None:
         metrics_endpoint.close()

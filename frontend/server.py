@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from tandem.frontend.abort_relay import AbortRelay, relayed_caller
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.disaggregation import DisaggregatedPools, LegFailed, TwoLegCall
 from tandem.frontend.engine_pool import EnginePool, EngineReplica, NoEngineAvailable
@@ -95,8 +96,10 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     the decode pool (`frontend/disaggregation.py`)."""
 
     def __init__(self, pool: EnginePool, ids: RequestIdMap, metrics: FrontendMetrics | None = None,
-                 access: AccessPolicy | None = None, disaggregated: DisaggregatedPools | None = None) -> None:
+                 access: AccessPolicy | None = None, disaggregated: DisaggregatedPools | None = None,
+                 relay: AbortRelay | None = None) -> None:
         self.pool = pool
+        self.relay = relay  # the sibling workers on this port, for an ABORT of a request not here
         self.disaggregated = disaggregated
         self.metrics = metrics if metrics is not None else FrontendMetrics(pool)
         self.access = access if access is not None else AccessPolicy()
@@ -168,9 +171,18 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             if defaults is not None:
                 result["sampling_defaults"] = defaults
         elif cmd == C.UTILITY_COMMAND_ABORT:
-            result = self._abort(request, context) if request.request_id else None
             if not request.request_id:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required for ABORT")
+            relayed = relayed_caller(context)
+            if relayed is not None:
+                caller, admin = relayed.identity, relayed.admin
+            else:
+                caller, admin = self.access.caller_identity(context), self.access.is_admin(context)
+            result = self._abort(request.request_id, caller, admin)
+            if result is None and relayed is None and self.relay is not None:
+                # Another frontend worker on this port may hold it (connections are spread over them).
+                result = await self.relay.abort_elsewhere(request.request_id, caller, admin,
+                                                          tuple(context.invocation_metadata()))
             if result is None:
                 # Also the answer for another caller's request: its existence is not revealed.
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id[:256]!r} is not in flight")
@@ -197,14 +209,13 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def _all_replicas(self) -> list[EngineReplica]:
         return self.disaggregated.all_replicas if self.disaggregated is not None else self.pool.replicas
 
-    def _abort(self, request, context) -> dict | None:
-        """Utility ABORT: ends every choice of the caller's request at whatever stage it is;
-        None when the request is not in flight or belongs to another caller."""
-        active = self.active.get(request.request_id)
+    def _abort(self, request_id: str, caller: str | None, admin: bool) -> dict | None:
+        """Utility ABORT in this worker: ends every choice of `caller`'s request at whatever stage
+        it is (an admin's: anyone's); None when it is not in flight here or belongs to another caller."""
+        active = self.active.get(request_id)
         if active is None:
             return None
-        caller = self.access.caller_identity(context)
-        if self.ids.abort(active.external_id, caller, override=self.access.is_admin(context)) is None:
+        if self.ids.abort(active.external_id, caller, override=admin) is None:
             return None
         return {"aborted": active.external_id, "choices": active.abort()}
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import shutil
 import signal
+import tempfile
 from collections.abc import Callable
 
 from tandem.frontend.app import FrontendOptions, run_frontend
@@ -25,9 +27,10 @@ def _worker_main(options: FrontendOptions, log_level: str, log_json: bool) -> No
 
 
 def worker_options(options: FrontendOptions, index: int) -> FrontendOptions:
-    """The options of worker `index` (1-based for the extra workers): same port, own metrics port."""
+    """The options of worker `index` (1-based for the extra workers): same port, own metrics port
+    and relay socket."""
     metrics_port = options.metrics_port + index if options.metrics_port else options.metrics_port
-    return dataclasses.replace(options, metrics_port=metrics_port, listen_when_ready=True)
+    return dataclasses.replace(options, metrics_port=metrics_port, listen_when_ready=True, worker_index=index)
 
 
 def start_extra_workers(options: FrontendOptions, count: int, log_level: str, log_json: bool) -> list:
@@ -69,6 +72,11 @@ def run_frontend_workers(options: FrontendOptions, count: int, log_level: str, l
     """Runs `count` frontend processes (this one included) until SIGTERM; drains them all."""
     if count < 1:
         raise ValueError("at least one frontend worker is needed")
+    relay_dir = None
+    if count > 1:
+        # mkdtemp's folder is the user's alone (0700): only their processes reach the relay sockets.
+        relay_dir = tempfile.mkdtemp(prefix="tandem-frontend-")
+        options = dataclasses.replace(options, relay_dir=relay_dir, worker_index=0, num_workers=count)
     extra = start_extra_workers(options, count - 1, log_level, log_json) if count > 1 else []
 
     signalled = False
@@ -84,4 +92,6 @@ def run_frontend_workers(options: FrontendOptions, count: int, log_level: str, l
         rc = run_frontend(options, on_stop=forward, on_ready=on_ready)
     finally:
         worst = stop_workers(extra, options.drain_timeout + 10, already_signalled=signalled)
+        if relay_dir is not None:
+            shutil.rmtree(relay_dir, ignore_errors=True)
     return rc or worst

@@ -47,8 +47,39 @@ def test_two_frontend_workers_share_the_port_and_drain(launch_serve):
         req.sampling.max_tokens = 4
         req.sampling.temperature = 0.0
         assert len(stub.Generate(req, timeout=60).choices[0].token_ids) == 4
+    _abort_through_the_other_worker(*pids.values())
     for ch in channels:
         ch.close()
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(60) == 0
     assert not any(_pid_alive(p) for p in pids)
+
+
+def _abort_through_the_other_worker(holder: grpc.Channel, other: grpc.Channel) -> None:
+    """A Utility ABORT that reaches another worker than its request is relayed: it ends the
+    stream (FINISH_REASON_ABORT) and answers how many choices it ended; an unknown id is still
+    NOT_FOUND after asking the sibling."""
+    req = frontend_pb2.GenerateRequest(prompt="Count from one to one thousand:", request_id="xw-abort-1")
+    req.sampling.max_tokens = 400
+    req.sampling.temperature = 0.0
+    req.sampling.ignore_eos = True
+    req.n = 2
+    stream = iter(frontend_pb2_grpc.FrontendStub(holder).Stream(req, timeout=120))
+    next(stream)
+    other_stub = frontend_pb2_grpc.FrontendStub(other)
+    reply = other_stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_ABORT,
+                                                         request_id="xw-abort-1"), timeout=30)
+    assert dict(reply.result) == {"aborted": "xw-abort-1", "choices": 2.0}
+    finals, tokens_after = [], 0
+    for msg in stream:
+        for c in msg.choices:
+            tokens_after += len(c.token_ids)
+            if c.finish_reason:
+                finals.append(c.finish_reason)
+    assert finals == [common_pb2.FINISH_REASON_ABORT] * 2 and tokens_after < 2 * 400
+    try:
+        other_stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_ABORT,
+                                                     request_id="xw-abort-1"), timeout=30)
+        raise AssertionError("an ended request was aborted again")
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.NOT_FOUND
