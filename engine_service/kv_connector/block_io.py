@@ -14,6 +14,7 @@ transfer parameters names the producer's slot). `KVBlockIO` covers the paged gro
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tandem.engine_service.cache_spec import CacheLayout, FullAttentionSpec, LatentSpec
@@ -50,22 +51,32 @@ class KVBlockIO:
     def num_groups(self) -> int:
         return len(self.layers)
 
-    def read_blocks(self, group: int, block_ids: list[int]) -> list[bytes]:
-        """Each named block of `group` as bytes (every layer of the group, in order)."""
+    def gather_rows(self, group: int, block_ids: list[int]) -> torch.Tensor:
+        """The named blocks of `group` as one `[n, block_bytes[group]]` uint8 tensor on the cache's
+        device, row j = block `block_ids[j]` (every layer of the group, in order): each layer is
+        gathered straight into its columns, so the blocks cross to the host (if at all) in one copy."""
+        n = len(block_ids)
+        rows = torch.empty((n, self.block_bytes[group]), dtype=torch.uint8, device=self.device)
+        for t, dim, region in self._regions(group, rows):
+            idx = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+            region.copy_(t.index_select(dim, idx).movedim(dim, 0))
+        return rows
+
+    def read_block_views(self, group: int, block_ids: list[int]) -> list[memoryview]:
+        """Each named block of `group` as a read-only view of one host buffer (no copy per block)."""
         if not block_ids:
             return []
-        parts: list[torch.Tensor] = []
-        for t, dim in self.layers[group]:
-            idx = torch.tensor(block_ids, dtype=torch.long, device=t.device)
-            # [n, per-block bytes]: block-major, so block j is one row.
-            x = t.index_select(dim, idx).movedim(dim, 0).contiguous()
-            parts.append(x.view(torch.uint8).reshape(len(block_ids), -1).cpu())
-        rows = torch.cat(parts, dim=1).numpy()
-        return [rows[j].tobytes() for j in range(len(block_ids))]
+        host = self.gather_rows(group, block_ids).cpu().numpy()
+        return [memoryview(host[j]).toreadonly() for j in range(len(block_ids))]
 
-    def write_blocks(self, group: int, block_ids: list[int], data: list[bytes]) -> None:
-        """Write `data[j]` (from `read_blocks` on an engine with the same layout) into block
-        `block_ids[j]` of every layer of `group`."""
+    def read_blocks(self, group: int, block_ids: list[int]) -> list[bytes]:
+        """Each named block of `group` as bytes (every layer of the group, in order)."""
+        return [bytes(v) for v in self.read_block_views(group, block_ids)]
+
+    def write_blocks(self, group: int, block_ids: list[int], data: list) -> None:
+        """Write `data[j]` (bytes-like, from `read_blocks` on an engine with the same layout) into
+        block `block_ids[j]` of every layer of `group`: one host buffer, one copy to the device,
+        then each layer's columns scattered there."""
         if len(block_ids) != len(data):
             raise ValueError("one bytes object per block")
         if not block_ids:
@@ -74,16 +85,27 @@ class KVBlockIO:
         for j, d in enumerate(data):
             if len(d) != size:
                 raise ValueError(f"block {j} of group {group}: {len(d)} bytes, expected {size}")
-        rows = torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8).reshape(len(data), size)
+        host = np.empty((len(data), size), dtype=np.uint8)
+        for j, d in enumerate(data):
+            host[j] = np.frombuffer(d, dtype=np.uint8)
+        rows = torch.from_numpy(host).to(self.device)
+        for t, dim, region in self._regions(group, rows):
+            idx = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+            # The layer's columns made contiguous as bytes (row copies) before the scatter: much
+            # cheaper on the CPU than an element-wise strided copy of the transposed view.
+            block_major = region.view(torch.uint8).contiguous().view(t.dtype).view(region.shape)
+            t.index_copy_(dim, idx, block_major.movedim(0, dim))
+
+    def _regions(self, group: int, rows: torch.Tensor):
+        """(layer tensor, its block dim, that layer's columns of `rows` viewed as `[n, *block shape]`
+        in the layer's dtype) for every layer of `group`."""
         offset = 0
         for t, dim in self.layers[group]:
-            n = _block_nbytes(t, dim)
-            idx = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+            nbytes = _block_nbytes(t, dim)
             shape = list(t.shape)
             del shape[dim]
-            src = rows[:, offset:offset + n].contiguous().view(t.dtype).reshape(len(data), *shape)
-            t.index_copy_(dim, idx, src.to(t.device).movedim(0, dim))
-            offset += n
+            yield t, dim, rows[:, offset:offset + nbytes].view(t.dtype).view(rows.shape[0], *shape)
+            offset += nbytes
 
     def copy_blocks_from(self, group: int, remote: list[torch.Tensor], remote_ids: list[int],
                          local_ids: list[int]) -> None:

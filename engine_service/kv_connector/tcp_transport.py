@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -43,7 +43,7 @@ from tandem.engine_service.kv_connector.wire import (
 
 log = structlog.get_logger(__name__)
 
-BlockReader = Callable[[int, list[int]], list[bytes]]
+BlockReader = Callable[[int, list[int]], Sequence[bytes | memoryview]]  # bytes-like, one per block
 StateReader = Callable[[int], bytes]
 
 
@@ -153,7 +153,7 @@ class KVPullServer:
             for j, data in enumerate(self.read_blocks(g, ids)):
                 crc = checksum(data)
                 if self.tamper is not None:
-                    data = self.tamper(data)
+                    data = self.tamper(bytes(data))
                 send_message(conn, BlockFrame(group=g, index=j, data=data, crc32=crc))
                 n += 1
         if msg.state_slot is not None:

@@ -130,11 +130,14 @@ def checksum(data: bytes | memoryview) -> int:
 
 
 def send_message(sock: socket.socket, msg: WireMessage) -> None:
-    body = _ENCODER.encode(msg)
-    sock.sendall(_LEN.pack(len(body)) + body)
+    # Encoded behind room for the length, so a block's bytes are copied once (into the frame).
+    frame = bytearray(_LEN.size)
+    _ENCODER.encode_into(msg, frame, _LEN.size)
+    _LEN.pack_into(frame, 0, len(frame) - _LEN.size)
+    sock.sendall(frame)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -143,7 +146,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise WireError(f"connection closed after {got} of {n} bytes")
         got += k
-    return bytes(buf)
+    return buf
 
 
 def recv_message(sock: socket.socket) -> WireMessage:
