@@ -290,7 +290,6 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run one measuring subcommand, write its JSON, print its short table last."""
-    from tandem import cli as tandem_cli
     from tandem.bench.results import Deadline, new_record, write_record
     from tandem.bench.timing import GPURequiredError
     from tandem.engine_service.model_runner import resolve_device
@@ -312,7 +311,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     deadline = Deadline(args.max_seconds)
     table: Callable[[dict[str, Any]], list[str]] | None = None
     try:
-        table = args.bench_fn(record, tandem_cli, args, deadline)
+        table = args.bench_fn(record, args, deadline)
     except KeyboardInterrupt as exc:
         record.add_error("interrupted", exc)
     except Exception as exc:  # noqa: BLE001 - recorded; the JSON is still written
@@ -328,7 +327,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if not record.errors else 1
 
 
-def _roofline(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+def _roofline(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import roofline
 
     options = roofline.RooflineOptions(
@@ -339,7 +338,7 @@ def _roofline(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: 
     return roofline.short_table
 
 
-def _throughput(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+def _throughput(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import throughput
 
     options = throughput.ThroughputOptions(
@@ -351,13 +350,13 @@ def _throughput(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline
     return throughput.short_table
 
 
-def _serve(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+def _serve(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import serve
 
     if args.mixed:
         if args.rounds != 1:
             raise ValueError("--rounds applies to the concurrency levels, not to --mixed")
-        return _mixed(record, tandem_cli, args, deadline)
+        return _mixed(record, args, deadline)
 
     options = serve.ServeOptions(
         workload=args.workload, scale=args.scale, concurrencies=args.concurrency,
@@ -382,7 +381,7 @@ def _mixed_options(args: argparse.Namespace, prefill_caps: list[int]) -> Any:
         startup_timeout=args.startup_timeout, tokenizer=args.tokenizer)
 
 
-def _mixed(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+def _mixed(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import mixed
 
     options = _mixed_options(args, args.prefill_caps)
@@ -390,7 +389,7 @@ def _mixed(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any
     return mixed.short_table
 
 
-def _disagg(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+def _disagg(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import disagg
 
     config = engine_config_from_args(args)
@@ -400,7 +399,7 @@ def _disagg(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: An
     return disagg.short_table
 
 
-def _soak(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+def _soak(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import soak
 
     options = soak.SoakOptions(num_requests=args.requests, concurrency=args.concurrency,
@@ -416,7 +415,7 @@ def _soak(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any)
     return soak.short_table
 
 
-def _prefix(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+def _prefix(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import prefix
 
     options = prefix.PrefixOptions(
@@ -429,7 +428,7 @@ def _prefix(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: An
     return prefix.short_table
 
 
-def _transport(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+def _transport(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import transport
 
     shapes = [s for s in args.shapes.split(",") if s]
@@ -440,7 +439,7 @@ def _transport(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline:
     return transport.short_table
 
 
-def _overhead(record: Any, tandem_cli: Any, args: argparse.Namespace, deadline: Any) -> Any:
+def _overhead(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
     from tandem.bench import overhead
 
     overhead.run_overhead(record, engine_config_from_args(args), args.batches, args.context, args.steps,
