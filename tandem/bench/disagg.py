@@ -21,7 +21,6 @@ memory at the same time would both take it. Results go under `results["disagg"]`
 
 from __future__ import annotations
 
-import random
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -30,9 +29,9 @@ from typing import Any
 
 import structlog
 
-from tandem.bench.mixed import MixedOptions, _one_cap, _requests
+from tandem.bench.mixed import MixedOptions, _one_cap, prepare_traffic
 from tandem.bench.results import BenchRecord, Deadline
-from tandem.bench.serve import free_port, write_wordlevel_tokenizer
+from tandem.bench.serve import free_port
 from tandem.bench.workloads import BenchRequest
 
 log = structlog.get_logger(__name__)
@@ -94,7 +93,6 @@ def _kv_counters(address: str) -> dict[str, Any]:
 def run_disagg(record: BenchRecord, engine_config: Any, engine_flags: list[str], opts: DisaggOptions,
                deadline: Deadline, log_dir: Path | None = None) -> None:
     """Fill `record.results["disagg"]`: one entry per shape, the same traffic each time."""
-    from tandem.engine_service.loader import read_eos_token_ids, resolve_model
     from tandem.engine_service.model_runner import resolve_device
 
     num_blocks = engine_config.cache.num_blocks
@@ -102,31 +100,20 @@ def run_disagg(record: BenchRecord, engine_config: Any, engine_flags: list[str],
         raise ValueError("pass --num-kv-blocks: two engines share the device and cannot both size their "
                          "KV pools from free memory")
     t = opts.traffic
-    resolved = resolve_model(engine_config.model.model, engine_config.model.cache_dir)
-    vocab = int(resolved.config["vocab_size"])
-    max_len = engine_config.model.max_model_len or resolved.config.get("max_position_embeddings") or 8192
-    long_len = min(t.long_prompt_len, max_len - t.long_output_len - 1)
-    rng = random.Random(t.seed)
-    decode = _requests(max(4 * t.decode_streams, 16), t.decode_prompt_len, t.decode_output_len, vocab, rng)
-    longs = _requests(t.num_long, long_len, t.long_output_len, vocab, rng)
-    shorts = _requests(t.num_short, t.short_prompt_len, t.short_output_len, vocab, rng)
-    result: dict[str, Any] = {"options": asdict(opts) | {"long_prompt_len": long_len}, "runs": []}
-    record.results["disagg"] = result
     cap = engine_config.scheduler.prefill_cap(resolve_device(engine_config.model.device).type)
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-disagg-"))
     try:
-        tokenizer = t.tokenizer or (str(resolved.path) if resolved.path is not None else None)
-        if tokenizer is None:
-            eos = read_eos_token_ids(resolved)
-            tokenizer = str(write_wordlevel_tokenizer(tmp / "tokenizer", vocab, eos[0] if eos else None, max_len))
+        traffic = prepare_traffic(engine_config, t, tmp)
+        result: dict[str, Any] = {"options": asdict(opts) | {"long_prompt_len": traffic.long_prompt_len}, "runs": []}
+        record.results["disagg"] = result
         for shape in opts.shapes:
             if deadline.remaining() < 1.0:
                 result["runs"].append({"shape": shape, "status": "skipped", "reason": "time budget spent"})
                 record.incomplete = True
                 continue
-            args = shape_args(shape, engine_flags, num_blocks, opts.single_kv_blocks) + ["--tokenizer", tokenizer]
+            args = shape_args(shape, engine_flags, num_blocks, opts.single_kv_blocks) + ["--tokenizer", traffic.tokenizer]
             with record.stage(f"disagg_{shape}"):
-                run = _run_shape(args, shape, cap, t, decode, longs, shorts, deadline,
+                run = _run_shape(args, shape, cap, t, traffic.decode, traffic.longs, traffic.shorts, deadline,
                                  Path(log_dir or tmp) / f"tandem-serve-{shape}.log")
                 result["runs"].append(run)
                 record.incomplete |= run["timed_out"] or bool(run["errors"])

@@ -147,9 +147,21 @@ async def _traffic(address: str, opts: MixedOptions, decode: list[BenchRequest],
     }
 
 
-def run_mixed(record: BenchRecord, engine_config: Any, engine_flags: list[str], opts: MixedOptions,
-              deadline: Deadline, log_dir: Path | None = None) -> None:
-    """Fill `record.results["mixed"]`: one entry per prefill cap, the same traffic each time."""
+@dataclass
+class MixedTraffic:
+    """The requests of one mixed run, fixed before the first server starts (every run replays
+    them): closed-loop decode streams, long prompts (clipped to the context), short requests, and
+    the tokenizer the servers load (the model's, or a word-level stand-in written under `tmp`)."""
+
+    decode: list[BenchRequest]
+    longs: list[BenchRequest]
+    shorts: list[BenchRequest]
+    long_prompt_len: int
+    tokenizer: str
+
+
+def prepare_traffic(engine_config: Any, opts: MixedOptions, tmp: Path) -> MixedTraffic:
+    """`opts`'s traffic for the model of `engine_config`, from `opts.seed`."""
     from tandem.engine_service.loader import read_eos_token_ids, resolve_model
 
     resolved = resolve_model(engine_config.model.model, engine_config.model.cache_dir)
@@ -160,23 +172,31 @@ def run_mixed(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
     decode = _requests(max(4 * opts.decode_streams, 16), opts.decode_prompt_len, opts.decode_output_len, vocab, rng)
     longs = _requests(opts.num_long, long_len, opts.long_output_len, vocab, rng)
     shorts = _requests(opts.num_short, opts.short_prompt_len, opts.short_output_len, vocab, rng)
-    mixed: dict[str, Any] = {"options": asdict(opts) | {"long_prompt_len": long_len}, "runs": []}
-    record.results["mixed"] = mixed
-    record.results.setdefault("levels", [])
+    tokenizer = opts.tokenizer or (str(resolved.path) if resolved.path is not None else None)
+    if tokenizer is None:
+        eos = read_eos_token_ids(resolved)
+        tokenizer = str(write_wordlevel_tokenizer(tmp / "tokenizer", vocab, eos[0] if eos else None, max_len))
+    return MixedTraffic(decode, longs, shorts, long_len, tokenizer)
+
+
+def run_mixed(record: BenchRecord, engine_config: Any, engine_flags: list[str], opts: MixedOptions,
+              deadline: Deadline, log_dir: Path | None = None) -> None:
+    """Fill `record.results["mixed"]`: one entry per prefill cap, the same traffic each time."""
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-mixed-"))
     try:
-        tokenizer = opts.tokenizer or (str(resolved.path) if resolved.path is not None else None)
-        if tokenizer is None:
-            eos = read_eos_token_ids(resolved)
-            tokenizer = str(write_wordlevel_tokenizer(tmp / "tokenizer", vocab, eos[0] if eos else None, max_len))
+        traffic = prepare_traffic(engine_config, opts, tmp)
+        mixed: dict[str, Any] = {"options": asdict(opts) | {"long_prompt_len": traffic.long_prompt_len}, "runs": []}
+        record.results["mixed"] = mixed
+        record.results.setdefault("levels", [])
         for cap in opts.prefill_caps:
             if deadline.remaining() < 1.0:
                 mixed["runs"].append({"prefill_cap": cap, "status": "skipped", "reason": "time budget spent"})
                 record.incomplete = True
                 continue
             with record.stage(f"mixed_cap{cap}"):
-                run = _one_cap(with_cap(engine_flags, cap) + ["--tokenizer", tokenizer], cap, opts, decode, longs,
-                               shorts, deadline, Path(log_dir or tmp) / f"tandem-serve-cap{cap}.log")
+                run = _one_cap(with_cap(engine_flags, cap) + ["--tokenizer", traffic.tokenizer], cap, opts,
+                               traffic.decode, traffic.longs, traffic.shorts, deadline,
+                               Path(log_dir or tmp) / f"tandem-serve-cap{cap}.log")
                 mixed["runs"].append(run)
                 record.incomplete |= run["timed_out"] or bool(run["errors"])
     finally:
