@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session's measurements: install the carried wheels (see bench/results/README.md), then
-# run the named part(s) with a time bound each. Results land in $OUT (or ./gpu-out).
+# One GPU session's measurements: install the carried wheels (made here by bench/prep_wheels.sh;
+# carry .whl), then run the named part(s) with a time bound each. Results land in $OUT (or ./gpu-out).
 # Usage on the GPU machine: bash bench/run_gpu.sh parity roofline serve-mux | throughput serve
 # (hybrid parts: roofline-next, throughput-next, prefix-next)
 # (serving parts: serve, serve-mux, serve-scale, serve-scale-stream, serve-alt)
@@ -10,6 +10,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
+python3 -c "import msgspec, zmq, structlog" || { echo "a wheel is missing from .whl: run bench/prep_wheels.sh on the dev machine"; exit 1; }
 PY="python3 -P"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 for part in "$@"; do

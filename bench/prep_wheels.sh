@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Fills the ignored .whl/ with what the GPU machine lacks, so `bench/run_gpu.sh` installs
+# everything from there (no network on that machine): the shared device-prep wheels (structlog,
+# gguf, grpcio 1.85.1, health checking, reflection) and a wheel of this project, plus msgspec and
+# pyzmq at the versions of this checkout's .venv (the engine core's transport; without them every
+# part fails at its first import). Run here, from the repository root, after scripts/setup.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash ../shared/tools/device-prep
+for pkg in msgspec pyzmq; do
+  version=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$pkg'))")
+  rm -f .whl/"${pkg}"-*.whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "$pkg==$version"
+done
+ls .whl
