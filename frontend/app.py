@@ -11,6 +11,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
+from tandem.frontend.abort_relay import AbortRelay, socket_address
 from tandem.frontend.disaggregation import DisaggregatedPools
 from tandem.frontend.engine_pool import EnginePool
 from tandem.frontend.metrics import FrontendMetrics
@@ -23,7 +24,6 @@ from tandem.grpc_service import add_service, enable_reflection
 from tandem.health import add_health
 from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.protocol import Limits
-from tandem.frontend.abort_relay import AbortRelay, socket_address
 from tandem.security import SecurityOptions, add_port
 from tandem.v1 import frontend_pb2
 
