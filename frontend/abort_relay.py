@@ -83,17 +83,16 @@ class AbortRelay:
                (RELAYED_ADMIN, "1" if admin else "0")]
         request = common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_ABORT, request_id=request_id)
 
-        async def ask(address: str) -> dict | None:
+        async def ask(address: str) -> int | None:
+            """The choices the sibling at `address` ended; None when it does not hold the request."""
             try:
                 reply = await self._stub(address).Utility(request, metadata=md, timeout=self.timeout)
             except grpc.aio.AioRpcError:  # NOT_FOUND, or the sibling is not up
                 return None
-            return {k: v for k, v in reply.result.items()}
+            return int(reply.result["choices"])
 
-        found = [r for r in await asyncio.gather(*(ask(a) for a in self.addresses)) if r is not None]
-        if not found:
-            return None
-        return {"aborted": request_id, "choices": int(sum(r.get("choices", 0) for r in found))}
+        ended = [n for n in await asyncio.gather(*(ask(a) for a in self.addresses)) if n is not None]
+        return {"aborted": request_id, "choices": sum(ended)} if ended else None
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)

@@ -43,6 +43,11 @@ class EngineReplica:
     model_info: dict = field(default_factory=dict)
     mux: MuxChannel | None = None  # the multiplexed subscription, opened on first use
 
+    @property
+    def routable(self) -> bool:
+        """Requests may go here: it answers health checks and its model was read."""
+        return self.healthy and bool(self.model_info)
+
     def open_call(self, request: engine_pb2.EngineRequest, timeout: float | None, metadata, multiplexed: bool):
         """Starts one engine request: a per-request Stream call, or a call on the shared
         multiplexed subscription. Both iterate `EngineResponse`s and have `cancel()`."""
@@ -166,10 +171,10 @@ class EnginePool:
 
     @property
     def any_healthy(self) -> bool:
-        return any(r.healthy and r.model_info for r in self.replicas)
+        return any(r.routable for r in self.replicas)
 
     def pick(self) -> EngineReplica:
-        candidates = [r for r in self.replicas if r.healthy and r.model_info]
+        candidates = [r for r in self.replicas if r.routable]
         if not candidates:
             raise NoEngineAvailable("no engine replica is ready")
         return min(candidates, key=lambda r: r.in_flight)

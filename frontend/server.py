@@ -197,9 +197,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             if cmd == C.UTILITY_COMMAND_STATS:
                 result["frontend"] = {"in_flight": len(self.ids), "in_flight_choices": self.ids.num_internal,
                                       "pid": os.getpid(),
-                                      # The replicas requests are routed to now (healthy, model read).
-                                      "ready_engines": [r.address for r in self._all_replicas()
-                                                        if r.healthy and r.model_info]}
+                                      "ready_engines": [r.address for r in self._all_replicas() if r.routable]}
         elif cmd in (C.UTILITY_COMMAND_START_PROFILE, C.UTILITY_COMMAND_STOP_PROFILE):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "profiling is not enabled")
         else:
