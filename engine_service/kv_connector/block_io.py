@@ -57,8 +57,8 @@ class KVBlockIO:
         gathered straight into its columns, so the blocks cross to the host (if at all) in one copy."""
         n = len(block_ids)
         rows = torch.empty((n, self.block_bytes[group]), dtype=torch.uint8, device=self.device)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)  # every layer's index
         for t, dim, region in self._regions(group, rows):
-            idx = torch.tensor(block_ids, dtype=torch.long, device=t.device)
             region.copy_(t.index_select(dim, idx).movedim(dim, 0))
         return rows
 
@@ -89,8 +89,8 @@ class KVBlockIO:
         for j, d in enumerate(data):
             host[j] = np.frombuffer(d, dtype=np.uint8)
         rows = torch.from_numpy(host).to(self.device)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for t, dim, region in self._regions(group, rows):
-            idx = torch.tensor(block_ids, dtype=torch.long, device=t.device)
             # The layer's columns made contiguous as bytes (row copies) before the scatter: much
             # cheaper on the CPU than an element-wise strided copy of the transposed view.
             block_major = region.view(torch.uint8).contiguous().view(t.dtype).view(region.shape)
@@ -115,12 +115,14 @@ class KVBlockIO:
             raise ValueError(f"group {group}: {len(remote)} remote layers, {len(self.layers[group])} here")
         if not local_ids:
             return
+        ridx: dict[torch.device, torch.Tensor] = {}  # one index tensor per device, not per layer
+        lidx = torch.tensor(local_ids, dtype=torch.long, device=self.device)
         for (t, dim), r in zip(self.layers[group], remote):
             if r.shape[:dim] != t.shape[:dim] or r.shape[dim + 1:] != t.shape[dim + 1:] or r.dtype != t.dtype:
                 raise ValueError(f"remote layer {tuple(r.shape)} {r.dtype} does not match {tuple(t.shape)} {t.dtype}")
-            ridx = torch.tensor(remote_ids, dtype=torch.long, device=r.device)
-            lidx = torch.tensor(local_ids, dtype=torch.long, device=t.device)
-            t.index_copy_(dim, lidx, r.index_select(dim, ridx).to(t.device))
+            if r.device not in ridx:
+                ridx[r.device] = torch.tensor(remote_ids, dtype=torch.long, device=r.device)
+            t.index_copy_(dim, lidx, r.index_select(dim, ridx[r.device]).to(t.device))
 
 
 def _block_nbytes(t: torch.Tensor, dim: int) -> int:
