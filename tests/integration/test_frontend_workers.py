@@ -8,6 +8,7 @@ import signal
 import time
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
@@ -77,6 +78,19 @@ def _abort_through_the_other_worker(holder: grpc.Channel, other: grpc.Channel) -
             if c.finish_reason:
                 finals.append(c.finish_reason)
     assert finals == [common_pb2.FINISH_REASON_ABORT] * 2 and tokens_after < 2 * 400
+    # Everything the request held is freed: the holder's IDs, the engine's sequences and blocks.
+    holder_stub = frontend_pb2_grpc.FrontendStub(holder)
+    deadline = time.monotonic() + 10
+    while True:
+        stats = MessageToDict(holder_stub.Utility(common_pb2.UtilityRequest(
+            command=common_pb2.UTILITY_COMMAND_STATS), timeout=30).result)
+        (engine,) = stats["engines"].values()
+        idle = (stats["frontend"]["in_flight"] == 0 and stats["frontend"]["in_flight_choices"] == 0
+                and engine["num_running"] == 0 and engine["kv_blocks_used"] == 0 and engine["in_flight"] == 0)
+        if idle:
+            break
+        assert time.monotonic() < deadline, f"resources not released after the relayed abort: {stats}"
+        time.sleep(0.05)
     try:
         other_stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_ABORT,
                                                      request_id="xw-abort-1"), timeout=30)
