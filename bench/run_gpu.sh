@@ -2,7 +2,7 @@
 # One GPU session's measurements: install the carried wheels (made here by bench/prep_wheels.sh;
 # carry .whl), then run the named part(s) with a time bound each. Results land in $OUT (or ./gpu-out).
 # Usage on the GPU machine: bash bench/run_gpu.sh parity roofline serve-mux | throughput serve
-# (hybrid parts: roofline-next, throughput-next, prefix-next)
+# (hybrid and MoE parts: roofline-next, throughput-next, prefix-next, roofline-moe, throughput-moe)
 # (serving parts: serve, serve-mux, serve-scale, serve-scale-stream, serve-alt)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -32,9 +32,17 @@ for part in "$@"; do
     # read and written back; prefill MFU at the default shapes (8x1024, 1x8192).
     roofline-next) timeout 225 $PY -m tandem.cli bench roofline --model dummy:qwen3-next-80b-a3b --max-model-len 8192 --batches 1,64,256 --contexts 1024,8192 --max-seconds 200 --out "$OUT" ;;
     # The same model against the HF peer on a 16-request subset: transformers' continuous batching
-    # cannot serve linear_attention layers, so the peer runs static left-padded generate batches
-    # (peer.mode / peer.mode_reason / peer.linear_attention_kernels in the JSON say so).
-    throughput-next) timeout 340 $PY -m tandem.cli bench throughput --model dummy:qwen3-next-80b-a3b --max-model-len 4096 --workload nanovllm --num-prompts 128 --peer-num-prompts 16 --peer-static-batch-size 16 --max-seconds 310 --out "$OUT" ;;
+    # cannot serve linear_attention layers, so the peer runs one static left-padded generate batch
+    # (peer.mode / peer.mode_reason / peer.linear_attention_kernels in the JSON say so). Lengths at
+    # 0.25 of nanovllm's (25-256 in and out): transformers' torch fallbacks of the GDN kernels and its
+    # per-expert loop took > 34 s for 8 requests of up to 726 tokens at 581fbbd. The peer is checked
+    # layer by layer, teacher-forced (tandem/bench/peer_check.py: top-10 routing of random experts
+    # cannot be checked end to end in bfloat16).
+    throughput-next) timeout 300 $PY -m tandem.cli bench throughput --model dummy:qwen3-next-80b-a3b --max-model-len 4096 --workload nanovllm --scale 0.25 --num-prompts 128 --peer-num-prompts 16 --peer-static-batch-size 16 --max-seconds 280 --out "$OUT" ;;
+    # Qwen3-30B-A3B layer shapes (48 layers, 128 experts, top-8): floor = active experts' weights + K/V.
+    roofline-moe) timeout 170 $PY -m tandem.cli bench roofline --model dummy:qwen3-30b-a3b --max-model-len 8192 --batches 1,64,256 --contexts 1024,8192 --max-seconds 150 --out "$OUT" ;;
+    # Qwen3-30B-A3B against transformers' continuous batching (full attention: CB serves it) on a 32-request subset.
+    throughput-moe) timeout 270 $PY -m tandem.cli bench throughput --model dummy:qwen3-30b-a3b --max-model-len 4096 --workload nanovllm --scale 0.25 --num-prompts 256 --peer-num-prompts 32 --max-seconds 250 --out "$OUT" ;;
     # Prefix-cache hit rates of a hybrid (state checkpoints) against its all-full-attention twin, and
     # the no-reuse cost of keeping checkpoints.
     prefix-next) timeout 450 $PY -m tandem.cli bench prefix --model dummy:qwen3.5-9b --max-model-len 8192 --max-seconds 420 --out "$OUT" ;;

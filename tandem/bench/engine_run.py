@@ -46,6 +46,7 @@ class EngineRunResult:
     steps: int
     timed_out: bool
     prefix_cache_hits: int | None = None
+    step_s: list[float] = field(default_factory=list)  # each engine.step() call's duration
 
     @property
     def completed(self) -> list[RequestTiming]:
@@ -81,6 +82,10 @@ class EngineRunResult:
             "e2e_ms": summarize([r.finished - r.start for r in done], 1e3),
             "requests_not_at_target_length": len(short),
             "prefix_cache_hits": self.prefix_cache_hits,
+            "step_ms": summarize(self.step_s, 1e3),
+            # (step index, ms) of the slowest steps: a kernel compiled or a graph captured mid-run shows here.
+            "slowest_steps_ms": sorted(((i, round(s * 1e3, 2)) for i, s in enumerate(self.step_s)),
+                                       key=lambda x: -x[1])[:5],
         }
 
 
@@ -125,13 +130,16 @@ def run_engine(
     start = time.perf_counter()
     admit(start)
     steps = 0
+    step_s: list[float] = []
     timed_out = False
     while in_flight or pending:
         if deadline is not None and deadline.expired():
             timed_out = True
             break
+        before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        step_s.append(now - before)
         steps += 1
         for o in outputs:
             t = by_id.get(o.request_id)
@@ -163,7 +171,7 @@ def run_engine(
         engine.step()
     hits_after = _prefix_hits(engine)
     hits = None if hits_before is None or hits_after is None else hits_after - hits_before
-    return EngineRunResult(timings, end - start, steps, timed_out, hits)
+    return EngineRunResult(timings, end - start, steps, timed_out, hits, step_s)
 
 
 def _prefix_hits(engine: Any) -> int | None:

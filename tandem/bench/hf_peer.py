@@ -22,8 +22,8 @@ static batching's waste and is reported as `discarded_tokens`. The result says w
 
 Weights are shared by copying the engine model's tensors into a Hugging Face model built from
 the same config (parameter names match the checkpoints; fused `qkv_proj` / `gate_up_proj`
-tensors, if the engine ever fuses them, are split in q, k, v / gate, up row order). A logits
-comparison on one prompt then checks that both compute the same function.
+tensors, if the engine ever fuses them, are split in q, k, v / gate, up row order);
+`peer_check.py` then checks on one prompt that both compute the same function.
 """
 
 from __future__ import annotations
@@ -104,23 +104,6 @@ def copy_weights_to_hf(ours: torch.nn.Module, hf: torch.nn.Module) -> dict[str, 
     if missing or misshapen:
         raise ValueError(f"cannot share weights with the HF model: missing={missing[:8]} misshapen={misshapen[:8]}")
     return {"copied": len(hf_params), "from_fused_tensors": fused}
-
-
-@torch.no_grad()
-def compare_logits(ours_logits: torch.Tensor, hf_logits: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
-    """Cosine similarity, max |diff| and argmax agreement of two last-position logit vectors."""
-    a, b = ours_logits.float().flatten().cpu(), hf_logits.float().flatten().cpu()
-    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
-    # bf16 accumulations differ between implementations; float32 ones barely.
-    threshold = 0.9999 if dtype == torch.float32 else 0.99
-    return {"cosine": cos, "max_abs_diff": float((a - b).abs().max()), "logit_std": float(b.std()),
-            "same_argmax": bool(a.argmax() == b.argmax()), "threshold": threshold, "verified": cos >= threshold}
-
-
-@torch.no_grad()
-def hf_last_logits(hf: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt], dtype=torch.long, device=hf.device)
-    return hf(input_ids=ids).logits[0, -1]
 
 
 def _import_cb() -> tuple[Any, Any]:

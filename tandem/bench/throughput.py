@@ -8,7 +8,8 @@ One call, one model, one workload:
    engine runs that same subset too (prefix cache reset first), so the ratio compares equal
    work; the full-workload figure stays the headline.
 3. The engine's caches are shrunk (KV pools, state pools), a Hugging Face model is built from
-   the same config, the engine's weights are copied into it and checked on one prompt's logits,
+   the same config, the engine's weights are copied into it and checked on one prompt
+   (`peer_check.py`: end to end, and layer by layer teacher-forced),
    the engine is freed, and the peer runs the same requests (`hf_peer.py`): through transformers'
    continuous batching, or, for models it cannot serve (hybrids), static `generate` batches; the
    result's `peer.mode` / `peer.mode_reason` say which and why.
@@ -27,7 +28,7 @@ import structlog
 
 from tandem.bench.engine_run import reset_prefix_cache, run_engine, warm_up
 from tandem.bench.results import BenchRecord, Deadline
-from tandem.bench.workloads import Workload, make_workload, warmup_requests
+from tandem.bench.workloads import BenchRequest, Workload, make_workload, warmup_prompt_lens, warmup_requests
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +46,16 @@ class ThroughputOptions:
     peer_cb_config: dict[str, Any] | None = None  # ContinuousBatchingConfig fields for the peer
     peer_static_batch_size: int = 64  # requests per generate batch, for models CB cannot serve
     engine_share: float = 0.45  # of the time left, for the engine's full-workload run (with a peer)
+
+
+def engine_warmup(vocab_size: int, workload: Workload, count: int, max_model_len: int) -> list[BenchRequest]:
+    """Warm-up requests whose prompts span the workload's lengths (`warmup_prompt_lens`), each
+    length also 7 tokens longer: Triton specialises integer arguments on divisibility by 16, so
+    step sizes off that grid compile their own kernel variants, which should happen here and
+    not inside the timed run. Prompts stay within `max_model_len` with their 8 output tokens."""
+    output_len = 8
+    lens = sorted({min(n + d, max_model_len - output_len) for n in warmup_prompt_lens(workload.requests) for d in (0, 7)})
+    return warmup_requests(vocab_size, max(count, len(lens)), lens, output_len=output_len)
 
 
 def engine_info(engine: Any) -> dict[str, Any]:
@@ -83,7 +94,7 @@ def run_throughput(record: BenchRecord, engine_config: Any, options: ThroughputO
         peer_workload = workload.head(options.peer_num_prompts)
 
     with record.stage("warmup"):
-        res["engine"]["warmup"] = warm_up(engine, warmup_requests(engine.vocab_size, options.warmup_requests),
+        res["engine"]["warmup"] = warm_up(engine, engine_warmup(engine.vocab_size, workload, options.warmup_requests, engine.max_model_len),
                                           deadline.sub(fraction=0.2))
     with record.stage("engine"):
         run = run_engine(engine, workload.requests, deadline=deadline.sub(fraction=options.engine_share if options.peer else 1.0))
@@ -133,8 +144,9 @@ def run_throughput(record: BenchRecord, engine_config: Any, options: ThroughputO
 
 def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
     """Free the engine's caches, build the HF twin, copy weights, check logits; returns it."""
-    from tandem.bench.hf_peer import build_hf_model, compare_logits, copy_weights_to_hf, hf_last_logits, \
-        release_device_memory
+    from tandem.bench.hf_peer import build_hf_model, copy_weights_to_hf, release_device_memory
+    from tandem.bench.peer_check import capture_engine_layers, compare_logits, hf_last_logits, is_routed, \
+        teacher_forced_check, verdict
     from tandem.bench.roofline import PlannedBatch, fake_plan, make_worker, num_paged_groups, num_state_slots
     from tandem.engine_service.loader import resolve_model
 
@@ -165,13 +177,16 @@ def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
         plan, _ = fake_plan(1, prompt_len, prompt_len, runner.block_size, runner.num_blocks, runner.vocab_size, rng,
                             num_groups=num_paged_groups(runner), num_state_slots=num_state_slots(runner))
         planned = PlannedBatch(make_worker(runner), plan)
-        ours = planned.execute()[0]
+        ours, states = capture_engine_layers(runner.model.model.layers, planned.execute)
         planned.release()
-        theirs = hf_last_logits(hf, plan.new_requests[0].token_ids)
-        check = compare_logits(ours, theirs, runner.dtype)
-        res["peer"]["weights"]["logits_check"] = check
-        if not check["verified"]:
-            raise AssertionError(f"engine and HF logits disagree on the same weights: {check}")
+        prompt = plan.new_requests[0].token_ids
+        check = compare_logits(ours[0], hf_last_logits(hf, prompt), runner.dtype)
+        layers = teacher_forced_check(hf, prompt, states, ours[0], runner.dtype)
+        judged = verdict(check, layers, is_routed(resolved.config))
+        res["peer"]["weights"].update(logits_check=check, layer_check=layers, **judged)
+        if not judged["verified"]:
+            raise AssertionError(f"engine and HF disagree on the same weights ({judged['rule']}): "
+                                 f"end to end {check}, layers {layers}")
     return hf
 
 

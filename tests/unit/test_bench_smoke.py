@@ -264,6 +264,9 @@ def test_throughput_engine_only_on_tiny_model(tmp_path, one_torch_thread, capsys
     assert ours["requests_not_at_target_length"] == 0
     assert ours["output_tokens_per_s"] > 0 and ours["total_tokens_per_s"] > ours["output_tokens_per_s"]
     assert ours["prefix_cache_hits"] == 0  # warm-up prompts share nothing with the workload
+    assert ours["step_ms"]["count"] == ours["steps"] and ours["step_ms"]["max"] > 0
+    slowest = ours["slowest_steps_ms"]
+    assert 1 <= len(slowest) <= 5 and slowest[0][1] == pytest.approx(ours["step_ms"]["max"], abs=0.01)
     assert "ratio" not in res
     assert "tandem engine" in capsys.readouterr().out.splitlines()[-2]
 
@@ -280,6 +283,9 @@ def test_throughput_against_hf_peer_on_the_same_weights(tmp_path, one_torch_thre
     assert peer["mode"] == "continuous_batching"  # transformers serves this model: the CB path
     check = peer["weights"]["logits_check"]
     assert check["verified"] and check["cosine"] > 0.9999 and check["same_argmax"]
+    layers = peer["weights"]["layer_check"]  # and so does every layer, fed the engine's input
+    assert layers["verified"] and len(layers["sublayer_cosine"]) == 2 and layers["min_sublayer_cosine"] > 0.9999
+    assert peer["weights"]["verified"] and peer["weights"]["end_to_end_required"]  # dense: both checks count
     assert peer["weights"]["copied"] > 0
     # Same requests on both sides, each generating exactly its own output length.
     for side in (peer, subset):
@@ -784,3 +790,16 @@ def test_soak_leak_check_reports_what_is_still_held():
     held["engines"]["e1"]["state_slots_used"] = 1
     assert leaks(held) == {"frontend.in_flight_choices": 2, "e1.kv_blocks_used": 3, "e1.state_slots_used": 1}
     assert leaks({"engines": {"e2": {"error": "UNAVAILABLE"}}}) == {"e2.error": "UNAVAILABLE"}
+
+
+def test_throughput_warmup_spans_the_workload_on_and_off_the_16_grid() -> None:
+    from tandem.bench.throughput import engine_warmup
+
+    workload = make_workload("nanovllm", vocab_size=320, num_prompts=16, scale=0.5, max_model_len=512)
+    longest = max(len(r.prompt_token_ids) for r in workload.requests)
+    warm = engine_warmup(320, workload, 2, max_model_len=512)
+    lens = sorted(len(r.prompt_token_ids) for r in warm)
+    assert len(warm) >= 2 and lens[0] == 32 and 39 in lens and longest in lens
+    assert max(lens) == min(longest + 7, 512 - 8) and all(r.output_len == 8 for r in warm)
+    assert any(n % 16 for n in lens) and any(n % 16 == 0 for n in lens)
+    assert not {tuple(r.prompt_token_ids[:8]) for r in warm} & {tuple(r.prompt_token_ids[:8]) for r in workload.requests}
