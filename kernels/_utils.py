@@ -109,8 +109,9 @@ class TritonKernel:
     ``@triton.jit`` ones (those would be decorated eagerly, at import).
     """
 
-    def __init__(self, fn: Callable[..., None]) -> None:
+    def __init__(self, fn: Callable[..., None], do_not_specialize: tuple[str, ...] = ()) -> None:
         self.fn = fn
+        self.do_not_specialize = do_not_specialize
         self._jitted: Any = None
         functools.update_wrapper(self, fn)
 
@@ -126,7 +127,7 @@ class TritonKernel:
                 "unset) before triton is first imported in the process"
             )
         if self._jitted is None:
-            self._jitted = triton.jit(self.fn)
+            self._jitted = triton.jit(self.fn, do_not_specialize=list(self.do_not_specialize) or None)
             _bind(self.fn, triton, language)
         return self._jitted
 
@@ -149,9 +150,28 @@ class TritonHelper:
         return self._jitted
 
 
-def triton_kernel(fn: Callable[..., None]) -> TritonKernel:
-    """Decorator: wrap a kernel function in a :class:`TritonKernel`."""
-    return TritonKernel(fn)
+def triton_kernel(fn: Callable[..., None] | None = None, *, do_not_specialize: tuple[str, ...] = ()) -> Any:
+    """Decorator: wrap a kernel function in a :class:`TritonKernel`; ``@triton_kernel`` or
+    ``@triton_kernel(do_not_specialize=("num_seqs",))``.
+
+    Triton compiles one variant per value class of every integer argument (equal to 1,
+    divisible by 16, other). Arguments that change with each engine step (token, request and
+    pair counts) belong in ``do_not_specialize``, so a step of a new size never compiles a
+    variant in the middle of serving; strides and model dimensions keep their specialisation."""
+    if fn is None:
+        return lambda f: TritonKernel(f, do_not_specialize)
+    return TritonKernel(fn, do_not_specialize)
+
+
+SEARCH_STEPS_MIN = 11  # binary searches over up to 2047 requests share one compiled variant
+
+
+def search_steps(count: int) -> int:
+    """Steps of a fixed-length binary search over ``count`` sorted entries, as a kernel
+    constexpr: at least ``SEARCH_STEPS_MIN``, so the value (and the compiled kernel) does not
+    change with each step's request count; the extra steps of a smaller search keep its answer
+    (once ``lo == hi`` every step leaves it)."""
+    return max(SEARCH_STEPS_MIN, count.bit_length())
 
 
 def triton_helper(

@@ -38,6 +38,7 @@ from tandem.kernels._utils import (
     check_shape,
     interpreter_enabled,
     next_power_of_2,
+    search_steps,
     tl,
     triton_available,
     triton_kernel,
@@ -192,7 +193,7 @@ def causal_conv1d_update_ref(
 # --------------------------------------------------------------------------- Triton kernels
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_tokens", "num_seqs"))
 def _conv_prefill_kernel(
     x_ptr,
     w_ptr,
@@ -384,7 +385,7 @@ def causal_conv1d_prefill(
             x, weight, bias if bias is not None else weight, conv_state, state_indices, cu_seqlens,
             has_initial_state.view(torch.uint8), y, tokens, batch, dim, x.stride(0), conv_state.stride(0),
             conv_state.stride(1), W=width, HAS_BIAS=bias is not None, SILU=activation == "silu",
-            SEARCH_STEPS=max(1, batch.bit_length()), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+            SEARCH_STEPS=search_steps(batch), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
         )
     _conv_state_writeback_kernel.on(x.device)[(batch, cdiv(dim, block_d))](
         x, conv_state, state_indices, cu_seqlens, has_initial_state.view(torch.uint8), dim, x.stride(0),

@@ -176,7 +176,7 @@ def align_pairs_by_expert(
     return sorted_pairs, block_expert
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_pairs",))
 def _moe_gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -224,7 +224,7 @@ def _moe_gate_up_kernel(
     tl.store(out, cast(y, act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_pairs",))
 def _moe_down_kernel(
     act_ptr,
     w_ptr,

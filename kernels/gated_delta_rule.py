@@ -62,6 +62,7 @@ from tandem.kernels._utils import (
     dot,
     dot_precision,
     next_power_of_2,
+    search_steps,
     num_compute_units,
     tl,
     triton_helper,
@@ -341,7 +342,7 @@ def _chunk_rows(cu_ptr, chunk_offsets_ptr, num_seqs, chunk, C: tl.constexpr,
     return start, end
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_seqs",))
 def _chunk_kkt_kernel(
     k_ptr,
     g_ptr,
@@ -397,7 +398,7 @@ def _chunk_kkt_kernel(
              k * tl.exp(gamma_last - gamma)[:, None], mask=k_mask)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_seqs",))
 def _chunk_solve_kernel(
     a_ptr,
     chunk_offsets_ptr,
@@ -449,7 +450,7 @@ def _chunk_solve_kernel(
         tl.debug_barrier()  # the next block row reads these rows of T
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_seqs",))
 def _chunk_wu_kernel(
     k_ptr,
     v_ptr,
@@ -571,7 +572,7 @@ def _chunk_state_kernel(
     tl.store(s_ptrs, s, mask=s_mask)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("num_seqs",))
 def _chunk_output_kernel(
     q_ptr,
     k_ptr,
@@ -694,7 +695,7 @@ def _chunk_triton(q, k, v, g, beta, scale, state, state_indices, cu_seqlens, has
     bv_full = next_power_of_2(vdim)
     precision = dot_precision(v.dtype)
     group = vheads // heads
-    search = max(1, batch.bit_length())
+    search = search_steps(batch)
     max_chunks = rows // chunk_size + batch  # >= sum(ceil(len_i / C)) whatever the lengths
     # Entry state of every chunk, in the activation dtype for 16-bit models (halves the scratch;
     # it only feeds the output product), float32 otherwise.

@@ -68,7 +68,7 @@ def _row_view(name: str, t: torch.Tensor) -> tuple[int, int, int]:
     return t.shape[1], t.stride(0), t.stride(1)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize=("n_rows",))
 def _rms_norm_gated_kernel(
     x_ptr,
     z_ptr,
