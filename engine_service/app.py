@@ -63,10 +63,10 @@ async def start_core(config: EngineConfig, options: EngineServerOptions) -> Core
                                                    options.log_format)
     if options.engine_core != "thread":
         raise ValueError(f"engine_core must be one of {ENGINE_CORE_MODES}, got {options.engine_core!r}")
-    from tandem.engine_service.engine import LLMEngine
     from tandem.engine_service.inproc_client import InProcessCoreClient
+    from tandem.engine_service.warmup import serving_engine
 
-    engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, config)
+    engine = await asyncio.get_running_loop().run_in_executor(None, serving_engine, config)
     return InProcessCoreClient(engine, options.fail_after_steps)
 
 

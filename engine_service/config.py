@@ -119,6 +119,9 @@ class ModelConfig:
     attention_backend: str = _opt("auto", "auto: Triton kernels on CUDA, PyTorch reference on CPU",
                                   choices=("auto", "torch", "triton"))
     enforce_eager: bool = _opt(False, "never capture CUDA graphs for decode")
+    warmup_seconds: float = _opt(60.0, "GPU: before serving, run synthetic requests through the scheduler and "
+                                 "kernels for at most this long, so kernels compile before the first request "
+                                 "does (0: off)")
     # Where requests' unset sampling fields get their defaults (tandem.generation_defaults).
     generation_config: str = _opt("auto", "sampling defaults for fields a request leaves unset: auto (the "
                                   "model's generation_config.json, or the shipped defaults of an embedded "
@@ -129,6 +132,8 @@ class ModelConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if not self.warmup_seconds >= 0:
+            raise ValueError(f"warmup_seconds must be >= 0, got {self.warmup_seconds!r}")
 
 
 KV_ROLES = ("none", "producer", "consumer", "both")

@@ -115,9 +115,9 @@ def run_core(config: EngineConfig, input_addr: str, output_addr: str, fail_after
 
             torch.set_num_threads(int(torch_threads))
         from tandem.engine_service.core import EngineCore, core_info
-        from tandem.engine_service.engine import LLMEngine
+        from tandem.engine_service.warmup import serving_engine
 
-        engine = LLMEngine(config)
+        engine = serving_engine(config)
         core = EngineCore(engine, fail_after_steps)
         push.send(encode(CoreReady(core_info(engine), engine.stats(), os.getpid())))
         log.info("engine_core_ready", pid=os.getpid(), kv_blocks=engine.block_manager.num_blocks)

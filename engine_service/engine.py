@@ -147,6 +147,20 @@ class LLMEngine:
         return (self._in_flight is not None or self.scheduler.has_work() or self.plan_builder.has_pending_drops
                 or (self.kv is not None and self.kv.scheduler.has_pending_metadata()))
 
+    def reset_after_warmup(self) -> None:
+        """Forget what a warm-up (`warmup.py`) left: every cached prefix and state checkpoint, and
+        every total STATS reports (engine counters, prefix lookups and hits, checkpoint saves,
+        preemptions), so the engine serves from the state it was built in. Only when idle."""
+        if self.has_work():
+            raise RuntimeError("reset_after_warmup needs an idle engine")
+        bm = self.block_manager
+        bm.reset_prefix_cache()
+        bm.prefix_queries = bm.prefix_hits = bm.prefix_kv_hits = 0
+        if bm.checkpoints is not None:
+            bm.checkpoints.num_saved = 0
+        self.scheduler.num_preemptions = 0
+        self.counters = EngineCounters()
+
     def kv_housekeeping(self) -> None:
         """Apply finished/failed KV loads and free released or expired leases (also called by an
         idle engine core, so a lease's blocks return without new requests)."""

@@ -33,7 +33,7 @@ import structlog
 
 from tandem.bench.engine_run import reset_prefix_cache, run_engine, warm_up
 from tandem.bench.results import BenchRecord, Deadline
-from tandem.bench.workloads import BenchRequest, warmup_requests
+from tandem.bench.workloads import BenchRequest, warmup_filling_steps
 
 log = structlog.get_logger(__name__)
 
@@ -130,13 +130,13 @@ def _with_engine(config: Any, model: str | None, prefix_caching: bool, fn: Any) 
 
 
 def _warm(engine: Any, opts: PrefixOptions, deadline: Deadline) -> None:
-    """Short prompts and prompts of the no-reuse length, each also 7 tokens longer (step sizes on
-    and off Triton's divisible-by-16 grid compile their own kernel variants: here, not in a timed
-    run); a seed of their own, so nothing they leave in the cache is ever hit."""
+    """Short prompts and prompts of the no-reuse length, each also 7 tokens longer, enough to fill
+    two full steps (`warmup_filling_steps`: the timed runs' step shapes compile their kernel
+    variants here); a seed of their own, so nothing they leave in the cache is ever hit."""
     longest = max(1, engine.max_model_len - 8)
     lens = [min(n, longest) for n in (64, 71, opts.noreuse_prompt_len, opts.noreuse_prompt_len + 7)]
-    warm_up(engine, warmup_requests(engine.vocab_size, max(opts.warmup_requests, len(lens)), lens, seed=opts.seed + 2),
-            deadline)
+    warm_up(engine, warmup_filling_steps(engine.vocab_size, lens, opts.warmup_requests,
+                                         engine.config.scheduler.max_num_batched_tokens, seed=opts.seed + 2), deadline)
 
 
 def hit_rate_run(engine: Any, requests: list[BenchRequest], opts: PrefixOptions, deadline: Deadline) -> dict[str, Any]:

@@ -28,7 +28,8 @@ import structlog
 
 from tandem.bench.engine_run import reset_prefix_cache, run_engine, warm_up
 from tandem.bench.results import BenchRecord, Deadline
-from tandem.bench.workloads import BenchRequest, Workload, make_workload, warmup_prompt_lens, warmup_requests
+from tandem.bench.workloads import BenchRequest, Workload, make_workload, warmup_filling_steps, warmup_prompt_lens, \
+    warmup_requests
 
 log = structlog.get_logger(__name__)
 
@@ -48,14 +49,17 @@ class ThroughputOptions:
     engine_share: float = 0.45  # of the time left, for the engine's full-workload run (with a peer)
 
 
-def engine_warmup(vocab_size: int, workload: Workload, count: int, max_model_len: int) -> list[BenchRequest]:
+def engine_warmup(vocab_size: int, workload: Workload, count: int, max_model_len: int,
+                  step_tokens: int) -> list[BenchRequest]:
     """Warm-up requests whose prompts span the workload's lengths (`warmup_prompt_lens`), each
-    length also 7 tokens longer: Triton specialises integer arguments on divisibility by 16, so
-    step sizes off that grid compile their own kernel variants, which should happen here and
-    not inside the timed run. Prompts stay within `max_model_len` with their 8 output tokens."""
+    length also 7 tokens longer (Triton specialises some integer arguments on divisibility by
+    16, so step sizes off that grid may compile variants of their own), and enough of them to
+    fill two steps of `step_tokens` (`warmup_filling_steps`): the kernel variants of the timed
+    run's shapes compile here, not inside it. Prompts stay within `max_model_len` with their 8
+    output tokens."""
     output_len = 8
     lens = sorted({min(n + d, max_model_len - output_len) for n in warmup_prompt_lens(workload.requests) for d in (0, 7)})
-    return warmup_requests(vocab_size, max(count, len(lens)), lens, output_len=output_len)
+    return warmup_filling_steps(vocab_size, lens, count, step_tokens, output_len=output_len)
 
 
 def engine_info(engine: Any) -> dict[str, Any]:
@@ -94,8 +98,9 @@ def run_throughput(record: BenchRecord, engine_config: Any, options: ThroughputO
         peer_workload = workload.head(options.peer_num_prompts)
 
     with record.stage("warmup"):
-        res["engine"]["warmup"] = warm_up(engine, engine_warmup(engine.vocab_size, workload, options.warmup_requests, engine.max_model_len),
-                                          deadline.sub(fraction=0.2))
+        warm = engine_warmup(engine.vocab_size, workload, options.warmup_requests, engine.max_model_len,
+                             engine.config.scheduler.max_num_batched_tokens)
+        res["engine"]["warmup"] = warm_up(engine, warm, deadline.sub(fraction=0.2))
     with record.stage("engine"):
         run = run_engine(engine, workload.requests, deadline=deadline.sub(fraction=options.engine_share if options.peer else 1.0))
         res["ours"] = run.summary()

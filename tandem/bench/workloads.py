@@ -179,6 +179,21 @@ def warmup_requests(vocab_size: int, count: int, prompt_len: int | Sequence[int]
             for i in range(count)]
 
 
+def warmup_filling_steps(vocab_size: int, prompt_lens: Sequence[int], count: int, step_tokens: int,
+                         output_len: int = 8, seed: int = 0, max_requests: int = 256) -> list[BenchRequest]:
+    """`warmup_requests` cycling through `prompt_lens`, at least `count` of them and enough that
+    their prompts fill two steps of `step_tokens` (the engine's `max_num_batched_tokens`): all
+    submitted at once they give the step shapes a timed run of many requests starts with (full
+    prefill steps of many requests, then prefill mixed with decodes, then decodes), so the
+    kernel variants of those shapes compile here. At most `max_requests` (short prompts would
+    otherwise take thousands to fill two steps), unless `count` asks for more."""
+    lens = list(prompt_lens)
+    n = max(count, len(lens))
+    while n < max_requests and sum(lens[i % len(lens)] for i in range(n)) < 2 * step_tokens:
+        n += 1
+    return warmup_requests(vocab_size, n, lens, output_len=output_len, seed=seed)
+
+
 def warmup_prompt_lens(requests: Sequence[BenchRequest]) -> list[int]:
     """Prompt lengths that span a workload: powers of two from 32 up to its longest prompt."""
     longest = max((len(r.prompt_token_ids) for r in requests), default=32)

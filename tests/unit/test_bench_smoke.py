@@ -797,9 +797,11 @@ def test_throughput_warmup_spans_the_workload_on_and_off_the_16_grid() -> None:
 
     workload = make_workload("nanovllm", vocab_size=320, num_prompts=16, scale=0.5, max_model_len=512)
     longest = max(len(r.prompt_token_ids) for r in workload.requests)
-    warm = engine_warmup(320, workload, 2, max_model_len=512)
+    warm = engine_warmup(320, workload, 2, max_model_len=512, step_tokens=1024)
     lens = sorted(len(r.prompt_token_ids) for r in warm)
     assert len(warm) >= 2 and lens[0] == 32 and 39 in lens and longest in lens
+    assert sum(lens) >= 2 * 1024 and sum(lens) - max(lens) < 2 * 1024  # fills two steps, and no more
+    assert len(engine_warmup(320, workload, 2, max_model_len=512, step_tokens=10**6)) == 256  # bounded
     assert max(lens) == min(longest + 7, 512 - 8) and all(r.output_len == 8 for r in warm)
     assert any(n % 16 for n in lens) and any(n % 16 == 0 for n in lens)
     assert not {tuple(r.prompt_token_ids[:8]) for r in warm} & {tuple(r.prompt_token_ids[:8]) for r in workload.requests}
