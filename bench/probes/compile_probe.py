@@ -32,8 +32,8 @@ for f in glob.glob(os.path.join(os.environ["TRITON_CACHE_DIR"], "*", "*.json")):
     if "name" not in meta:
         continue
     entries.append({"name": meta.get("name"), "mtime": os.path.getmtime(f) - phases["start"],
-                    "constants": {k: v for k, v in (meta.get("constants") or {}).items() if not str(k).isdigit()} if isinstance(meta.get("constants"), dict) else meta.get("constants"),
-                    "num_warps": meta.get("num_warps")})
+                    "num_warps": meta.get("num_warps"),
+                    "constants": {k: v for k, v in meta.items() if k not in ("name", "hash", "target", "shared", "global_scratch_size", "global_scratch_align", "profile_scratch_size", "profile_scratch_align", "tmem_size", "ptx_version", "ptx_options", "ir_override", "enable_fp_fusion", "launch_cooperative_grid", "launch_pdl", "supported_fp8_dtypes", "deprecated_fp8_dot_operand_dtypes", "default_dot_input_precision", "allowed_dot_input_precisions", "max_num_imprecise_acc_default", "extern_libs", "debug", "backend_name", "sanitize_overflow", "arch", "instrumentation_mode")}})
 entries.sort(key=lambda e: e["mtime"])
 slow = [(i, round((b - a) * 1e3, 1), round(a - phases["start"], 2)) for i, (a, b) in enumerate(t) if b - a > 0.3]
 res = {"model": model, "phases": {k: round(v - phases["start"], 2) for k, v in phases.items()}, "slow_steps": slow,
