@@ -34,6 +34,10 @@ for f in glob.glob(os.path.join(os.environ["TRITON_CACHE_DIR"], "*", "*.json")):
     entries.append({"name": meta.get("name"), "mtime": os.path.getmtime(f) - phases["start"],
                     "num_warps": meta.get("num_warps"),
                     "constants": {k: v for k, v in meta.items() if k not in ("name", "hash", "target", "shared", "global_scratch_size", "global_scratch_align", "profile_scratch_size", "profile_scratch_align", "tmem_size", "ptx_version", "ptx_options", "ir_override", "enable_fp_fusion", "launch_cooperative_grid", "launch_pdl", "supported_fp8_dtypes", "deprecated_fp8_dot_operand_dtypes", "default_dot_input_precision", "allowed_dot_input_precisions", "max_num_imprecise_acc_default", "extern_libs", "debug", "backend_name", "sanitize_overflow", "arch", "instrumentation_mode")}})
+    ttir = glob.glob(os.path.join(os.path.dirname(f), "*.ttir"))
+    if ttir:
+        sig = next((line for line in open(ttir[0]) if "tt.func public" in line), "")
+        entries[-1]["signature"] = sig.strip()[:700]
 entries.sort(key=lambda e: e["mtime"])
 slow = [(i, round((b - a) * 1e3, 1), round(a - phases["start"], 2)) for i, (a, b) in enumerate(t) if b - a > 0.3]
 res = {"model": model, "phases": {k: round(v - phases["start"], 2) for k, v in phases.items()}, "slow_steps": slow,
@@ -42,5 +46,5 @@ res = {"model": model, "phases": {k: round(v - phases["start"], 2) for k, v in p
        "ttft_p50_ms": s["ttft_ms"]["p50"]}
 print(json.dumps({k: v for k, v in res.items() if k != "compiled_during_run"}))
 for e in res["compiled_during_run"]:
-    print(round(e["mtime"], 2), e["name"], e["num_warps"], json.dumps(e["constants"], default=str)[:300])
+    print(round(e["mtime"], 2), e["name"], e["num_warps"], json.dumps(e["constants"], default=str)[:200], e.get("signature", "")[:400])
 json.dump(res, open(os.path.join(os.environ.get("OUT", "."), f"compile_probe-{model.split(':')[-1]}.json"), "w"), indent=1, default=str)
