@@ -109,9 +109,11 @@ class TritonKernel:
     ``@triton.jit`` ones (those would be decorated eagerly, at import).
     """
 
-    def __init__(self, fn: Callable[..., None], do_not_specialize: tuple[str, ...] = ()) -> None:
+    def __init__(self, fn: Callable[..., None], do_not_specialize: tuple[str, ...] = (),
+                 do_not_specialize_on_alignment: tuple[str, ...] = ()) -> None:
         self.fn = fn
         self.do_not_specialize = do_not_specialize
+        self.do_not_specialize_on_alignment = do_not_specialize_on_alignment
         self._jitted: Any = None
         functools.update_wrapper(self, fn)
 
@@ -127,7 +129,10 @@ class TritonKernel:
                 "unset) before triton is first imported in the process"
             )
         if self._jitted is None:
-            self._jitted = triton.jit(self.fn, do_not_specialize=list(self.do_not_specialize) or None)
+            self._jitted = triton.jit(
+                self.fn, do_not_specialize=list(self.do_not_specialize) or None,
+                do_not_specialize_on_alignment=list(self.do_not_specialize_on_alignment) or None,
+            )
             _bind(self.fn, triton, language)
         return self._jitted
 
@@ -150,17 +155,22 @@ class TritonHelper:
         return self._jitted
 
 
-def triton_kernel(fn: Callable[..., None] | None = None, *, do_not_specialize: tuple[str, ...] = ()) -> Any:
+def triton_kernel(fn: Callable[..., None] | None = None, *, do_not_specialize: tuple[str, ...] = (),
+                  do_not_specialize_on_alignment: tuple[str, ...] = ()) -> Any:
     """Decorator: wrap a kernel function in a :class:`TritonKernel`; ``@triton_kernel`` or
     ``@triton_kernel(do_not_specialize=("num_seqs",))``.
 
     Triton compiles one variant per value class of every integer argument (equal to 1,
-    divisible by 16, other). Arguments that change with each engine step (token, request and
-    pair counts) belong in ``do_not_specialize``, so a step of a new size never compiles a
-    variant in the middle of serving; strides and model dimensions keep their specialisation."""
+    divisible by 16, other) and per alignment class of every pointer (16-byte aligned or not).
+    Arguments that change with each engine step belong in the two lists, so a step of a new
+    shape never compiles a variant in the middle of serving: token, request and pair counts in
+    ``do_not_specialize``; per-request metadata a mixed step passes as views past its decode
+    rows (state indices, start offsets, initial-state flags: aligned or not with the number of
+    decodes) in ``do_not_specialize_on_alignment``. Strides, model dimensions and activation
+    pointers keep their specialisation."""
     if fn is None:
-        return lambda f: TritonKernel(f, do_not_specialize)
-    return TritonKernel(fn, do_not_specialize)
+        return lambda f: TritonKernel(f, do_not_specialize, do_not_specialize_on_alignment)
+    return TritonKernel(fn, do_not_specialize, do_not_specialize_on_alignment)
 
 
 SEARCH_STEPS_MIN = 11  # binary searches over up to 2047 requests share one compiled variant

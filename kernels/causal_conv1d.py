@@ -193,7 +193,7 @@ def causal_conv1d_update_ref(
 # --------------------------------------------------------------------------- Triton kernels
 
 
-@triton_kernel(do_not_specialize=("num_tokens", "num_seqs"))
+@triton_kernel(do_not_specialize=("num_tokens", "num_seqs"), do_not_specialize_on_alignment=("idx_ptr", "cu_ptr", "init_ptr"))
 def _conv_prefill_kernel(
     x_ptr,
     w_ptr,
@@ -262,7 +262,7 @@ def _conv_prefill_kernel(
     tl.store(y_ptr + tok.to(tl.int64)[:, None] * dim + ch[None, :], out, mask=mask)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize_on_alignment=("idx_ptr", "cu_ptr", "init_ptr"))
 def _conv_state_writeback_kernel(
     x_ptr,
     state_ptr,

@@ -342,7 +342,7 @@ def _chunk_rows(cu_ptr, chunk_offsets_ptr, num_seqs, chunk, C: tl.constexpr,
     return start, end
 
 
-@triton_kernel(do_not_specialize=("num_seqs",))
+@triton_kernel(do_not_specialize=("num_seqs",), do_not_specialize_on_alignment=("cu_ptr",))
 def _chunk_kkt_kernel(
     k_ptr,
     g_ptr,
@@ -450,7 +450,7 @@ def _chunk_solve_kernel(
         tl.debug_barrier()  # the next block row reads these rows of T
 
 
-@triton_kernel(do_not_specialize=("num_seqs",))
+@triton_kernel(do_not_specialize=("num_seqs",), do_not_specialize_on_alignment=("cu_ptr",))
 def _chunk_wu_kernel(
     k_ptr,
     v_ptr,
@@ -510,7 +510,7 @@ def _chunk_wu_kernel(
         tl.store(u_ptr + out_rows * V + vv[None, :], u, mask=v_mask)
 
 
-@triton_kernel
+@triton_kernel(do_not_specialize_on_alignment=("idx_ptr", "cu_ptr", "init_ptr"))
 def _chunk_state_kernel(
     kd_ptr,
     w_ptr,
@@ -572,7 +572,7 @@ def _chunk_state_kernel(
     tl.store(s_ptrs, s, mask=s_mask)
 
 
-@triton_kernel(do_not_specialize=("num_seqs",))
+@triton_kernel(do_not_specialize=("num_seqs",), do_not_specialize_on_alignment=("cu_ptr",))
 def _chunk_output_kernel(
     q_ptr,
     k_ptr,

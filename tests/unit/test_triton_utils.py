@@ -2,7 +2,8 @@
 
 - `search_steps` is one constexpr value for any request count up to 2047, and a fixed-step
   binary search run with that many steps finds the same request as with the fewest steps;
-- the varlen prefill kernels and the fused MoE leave their per-step counts unspecialised.
+- the varlen prefill kernels and the fused MoE leave their per-step counts unspecialised, and
+  the state kernels the alignment of the per-request views a mixed step passes them.
 """
 
 from __future__ import annotations
@@ -44,19 +45,26 @@ def test_extra_search_steps_keep_the_answer(num_seqs: int) -> None:
         assert _fixed_step_search(offsets, key, search_steps(num_seqs)) == want
 
 
-@pytest.mark.parametrize("kernel, counts", [
-    (gated_delta_rule._chunk_kkt_kernel, ("num_seqs",)),
-    (gated_delta_rule._chunk_solve_kernel, ("num_seqs",)),
-    (gated_delta_rule._chunk_wu_kernel, ("num_seqs",)),
-    (gated_delta_rule._chunk_output_kernel, ("num_seqs",)),
-    (causal_conv1d._conv_prefill_kernel, ("num_tokens", "num_seqs")),
-    (gated_norm._rms_norm_gated_kernel, ("n_rows",)),
-    (fused_moe._moe_gate_up_kernel, ("num_pairs",)),
-    (fused_moe._moe_down_kernel, ("num_pairs",)),
+META = ("idx_ptr", "cu_ptr", "init_ptr")
+
+
+@pytest.mark.parametrize("kernel, counts, views", [
+    (gated_delta_rule._chunk_kkt_kernel, ("num_seqs",), ("cu_ptr",)),
+    (gated_delta_rule._chunk_solve_kernel, ("num_seqs",), ()),
+    (gated_delta_rule._chunk_wu_kernel, ("num_seqs",), ("cu_ptr",)),
+    (gated_delta_rule._chunk_output_kernel, ("num_seqs",), ("cu_ptr",)),
+    # Compiled mid-run at d21ce81 (bench/probes/compile_probe.py, H200): a mixed step's
+    # state_indices[d:] / has_initial_state[d:] views, 16-byte aligned or not with d.
+    (gated_delta_rule._chunk_state_kernel, (), META),
+    (causal_conv1d._conv_prefill_kernel, ("num_tokens", "num_seqs"), META),
+    (causal_conv1d._conv_state_writeback_kernel, (), META),
+    (gated_norm._rms_norm_gated_kernel, ("n_rows",), ()),
+    (fused_moe._moe_gate_up_kernel, ("num_pairs",), ()),
+    (fused_moe._moe_down_kernel, ("num_pairs",), ()),
 ])
-def test_per_step_counts_are_not_specialised(kernel, counts) -> None:
+def test_per_step_counts_and_views_are_not_specialised(kernel, counts, views) -> None:
     import inspect
 
-    assert kernel.do_not_specialize == counts
+    assert kernel.do_not_specialize == counts and kernel.do_not_specialize_on_alignment == views
     params = inspect.signature(kernel.fn).parameters
-    assert all(c in params for c in counts)  # names that exist: Triton would reject the rest at launch
+    assert all(c in params for c in counts + views)  # names that exist: Triton would reject the rest
