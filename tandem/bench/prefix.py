@@ -106,14 +106,14 @@ def hit_ceilings(requests: list[BenchRequest], prefix_len: int, block_size: int,
 
 
 def _engine(config: Any, model: str | None = None, prefix_caching: bool | None = None) -> Any:
-    from tandem.engine_service.engine import LLMEngine
+    from tandem.engine_service.warmup import serving_engine
 
     mc, cc = config.model, config.cache
     if model is not None:
         mc = dataclasses.replace(mc, model=model)
     if prefix_caching is not None:
         cc = dataclasses.replace(cc, enable_prefix_caching=prefix_caching)
-    return LLMEngine(dataclasses.replace(config, model=mc, cache=cc))
+    return serving_engine(dataclasses.replace(config, model=mc, cache=cc))  # warmed up as served (CUDA)
 
 
 def _with_engine(config: Any, model: str | None, prefix_caching: bool, fn: Any) -> Any:

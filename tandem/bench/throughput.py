@@ -2,7 +2,8 @@
 
 One call, one model, one workload:
 
-1. The engine (`LLMEngine`, dummy weights) warms up on short unrelated requests, then runs
+1. The engine (`LLMEngine`, dummy weights, with the serving warm-up of `warmup.py` on CUDA) warms up on
+   unrelated requests spanning the workload's lengths, then runs
    the whole workload submitted at once: output tok/s and total tok/s, vLLM-style.
 2. When the peer runs on a subset (`peer_num_prompts`, because transformers is slower), the
    engine runs that same subset too (prefix cache reset first), so the ratio compares equal
@@ -79,14 +80,14 @@ def engine_info(engine: Any) -> dict[str, Any]:
 
 def run_throughput(record: BenchRecord, engine_config: Any, options: ThroughputOptions, deadline: Deadline) -> None:
     """Fill `record.results` with the engine's figures, the peer's and their ratio."""
-    from tandem.engine_service.engine import LLMEngine
+    from tandem.engine_service.warmup import serving_engine
 
     res = record.results
     res["options"] = dict(vars(options))
     engine = None
     with record.stage("build_engine"):
         t0 = time.monotonic()
-        engine = LLMEngine(engine_config)
+        engine = serving_engine(engine_config)  # warmed up as `tandem serve` warms it (CUDA)
         res["engine"] = {**engine_info(engine), "build_s": round(time.monotonic() - t0, 2)}
     if engine is None:
         return
