@@ -30,7 +30,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tandem.engine_service.dummy_configs import get_dummy_config
-from tandem.engine_service.layers.attention import select_attention_backend
+from tandem.engine_service.layers.backend_select import select_attention_backend
 from tandem.engine_service.layers.linear import default_weight_loader
 from tandem.engine_service.layers.moe import ExpertWeights, per_expert_checkpoint_name
 from tandem.engine_service.layers.norm import RMSNorm

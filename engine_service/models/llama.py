@@ -37,8 +37,8 @@ from tandem.engine_service.layers.attention import (
     Attention,
     AttentionBackend,
     AttentionMetadata,
-    select_attention_backend,
 )
+from tandem.engine_service.layers.backend_select import select_attention_backend
 from tandem.engine_service.layers.embedding import VocabEmbedding
 from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.engine_service.layers.merged_linear import merge_column_linears

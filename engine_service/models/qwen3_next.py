@@ -42,8 +42,8 @@ from tandem.engine_service.layers.attention import (
     Attention,
     AttentionBackend,
     AttentionMetadata,
-    select_attention_backend,
 )
+from tandem.engine_service.layers.backend_select import select_attention_backend
 from tandem.engine_service.layers.embedding import VocabEmbedding
 from tandem.engine_service.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
 from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear

@@ -19,7 +19,7 @@ import torch
 from tandem.bench import accounting
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tandem.engine_service.dummy_configs import get_dummy_config
-from tandem.engine_service.layers.attention import select_attention_backend
+from tandem.engine_service.layers.backend_select import select_attention_backend
 from tandem.engine_service.layers.moe import expected_distinct_experts
 from tandem.engine_service.models.registry import get_model_class
 

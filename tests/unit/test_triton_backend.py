@@ -37,10 +37,8 @@ from tandem.engine_service.input_batch import (  # noqa: E402
     host_to_device,
     prepare_host_inputs,
 )
-from tandem.engine_service.layers.attention import (  # noqa: E402
-    TorchReferenceBackend,
-    select_attention_backend,
-)
+from tandem.engine_service.layers.attention import TorchReferenceBackend  # noqa: E402
+from tandem.engine_service.layers.backend_select import select_attention_backend  # noqa: E402
 from tandem.engine_service.layers.triton_backend import TritonAttentionBackend  # noqa: E402
 from tandem.engine_service.model_runner import ModelRunner  # noqa: E402
 from tandem.engine_service.sequence import SamplingParams, Sequence  # noqa: E402
