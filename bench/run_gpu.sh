@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 for part in "$@"; do
   echo "=== $part ($(date -u +%T))"
   case "$part" in
-    kernels) timeout 150 $PY -m tandem.kernels.gpu_check --out "$OUT" ;;
+    kernels) timeout 150 $PY -m tandem.gpu_checks.kernel_check --out "$OUT" ;;
     parity) timeout 200 $PY -m tandem.gpu_checks.model_parity --out "$OUT" ;;
     # Windowed layers (two paged cache groups): reference vs Triton eager vs Triton graphs.
     parity-sw) timeout 200 $PY -m tandem.gpu_checks.model_parity --model dummy:qwen3-0.6b-sw64 --out "$OUT/parity-sw" ;;
@@ -53,7 +53,7 @@ for part in "$@"; do
       for m in tiny-qwen3.5 tiny-qwen3-next tiny-qwen3.5-moe; do
         timeout 280 $PY -m tandem.gpu_checks.model_parity --model dummy:$m --out "$OUT/parity-$m" >"$OUT/parity-$m.log" 2>&1 &
       done; wait; tail -n 12 "$OUT"/parity-*.log ;;
-    kernels-gdn) timeout 200 $PY -m tandem.kernels.gpu_check --only gdn --out "$OUT/kernels-gdn" ;;
+    kernels-gdn) timeout 200 $PY -m tandem.gpu_checks.kernel_check --only gdn --out "$OUT/kernels-gdn" ;;
     # Issue 12: pulls between two processes on the GPU (GB/s vs device copies), then two engines' greedy tokens.
     kvxfer) timeout 240 $PY -m tandem.gpu_checks.kv_transfer --out "$OUT/kvxfer" ;;
     # Issue 12: one engine vs prefill + decode engines (Qwen3-8B, CUDA IPC) under long prompts during decode traffic.

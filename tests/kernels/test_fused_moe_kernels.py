@@ -223,7 +223,7 @@ def test_layer_matches_transformers(kind: str, fused: bool, n: int) -> None:
 def test_gpu_check_moe_section_on_cpu(monkeypatch) -> None:
     """`gpu_check`'s moe cases, shrunk and interpreted: they check the kernel against the twin
     and count the selected experts' weight bytes."""
-    from tandem.kernels import gpu_check
+    from tandem.gpu_checks import kernel_check as gpu_check
 
     monkeypatch.setitem(gpu_check.QWEN3_MOE, "experts", 8)
     monkeypatch.setitem(gpu_check.QWEN3_MOE, "top_k", 2)

@@ -1,4 +1,4 @@
-"""The ``gdn`` section of ``kernels/gpu_check.py`` builds its cases and passes its own
+"""The ``gdn`` section of ``tandem/gpu_checks/kernel_check.py`` builds its cases and passes its own
 correctness checks on CPU (Triton interpreter) at shrunken shapes, so a GPU run is not the first
 time its code runs. (Timing needs CUDA and is not exercised here.)"""
 
@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tandem.kernels import gpu_check  # noqa: E402
+from tandem.gpu_checks import kernel_check as gpu_check  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

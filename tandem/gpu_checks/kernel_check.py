@@ -1,6 +1,6 @@
 """Check every Triton kernel against its PyTorch reference on a GPU at real shapes, then time it.
 
-Usage: ``python -m tandem.kernels.gpu_check --out DIR [--quick] [--only SUBSTRING]``.
+Usage: ``python -m tandem.gpu_checks.kernel_check --out DIR [--quick] [--only SUBSTRING]``.
 
 Shapes are Qwen3-8B's (32 query heads, 8 KV heads, head_dim 128, hidden 4096, intermediate 12288,
 vocab 151936; block size 16; bfloat16), plus SmolLM2's grouped-query shape (9 heads over 3 KV
