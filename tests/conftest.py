@@ -22,6 +22,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test: the CI box has 2 cores shared with other test processes,
+    and two OpenMP threads fighting a busy core make each tiny matmul wait on a barrier."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

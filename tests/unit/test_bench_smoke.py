@@ -19,16 +19,6 @@ from tandem.engine_service.dummy_configs import get_dummy_config
 TINY = "dummy:tiny-qwen3"
 
 
-@pytest.fixture
-def one_torch_thread():
-    # The CI box has 2 cores shared with other test processes; two OpenMP threads fighting a busy
-    # core make each tiny matmul wait on a barrier. One thread keeps these runs short.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _bench_args(*argv: str):
     from tandem.cli import build_parser
 

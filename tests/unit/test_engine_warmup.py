@@ -24,14 +24,6 @@ TOTALS = ("prompt_tokens_total", "generation_tokens_total", "steps_total", "fini
           "num_preemptions", "state_checkpoint_saves")
 
 
-@pytest.fixture
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _engine(model: str = "dummy:tiny-qwen3-next", warmup_seconds: float = 60.0) -> LLMEngine:
     return LLMEngine(EngineConfig(
         ModelConfig(model=model, device="cpu", dtype="float32", attention_backend="torch", max_model_len=256,

@@ -26,14 +26,6 @@ from tandem.engine_service.models.registry import get_model_class
 TINY_HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 
 
-@pytest.fixture
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _meta_module(name: str) -> torch.nn.Module:
     cfg = get_dummy_config(name)
     cls = get_model_class(cfg)

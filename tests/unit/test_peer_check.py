@@ -21,14 +21,6 @@ from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig,
 from tandem.engine_service.dummy_configs import get_dummy_config
 
 
-@pytest.fixture
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _engine_and_peer(name: str):
     from tandem.engine_service.model_runner import ModelRunner
 
