@@ -20,6 +20,7 @@ back sampled token ids; appending them to the `Sequence`s, stop checks and outpu
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -153,13 +154,21 @@ class LLMEngine:
         preemptions), so the engine serves from the state it was built in. Only when idle."""
         if self.has_work():
             raise RuntimeError("reset_after_warmup needs an idle engine")
-        bm = self.block_manager
-        bm.reset_prefix_cache()
-        bm.prefix_queries = bm.prefix_hits = bm.prefix_kv_hits = 0
-        if bm.checkpoints is not None:
-            bm.checkpoints.num_saved = 0
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.reset_counters()
         self.scheduler.num_preemptions = 0
         self.counters = EngineCounters()
+
+    def abort_and_settle(self, request_ids: Iterable[str], max_steps: int = 1000) -> None:
+        """Abort each of `request_ids` (unknown or finished ones are skipped) and step until the
+        engine is idle, so it can be reused: the endings reach the worker on the next plans, a
+        step or two. At most `max_steps` steps: it never spins."""
+        for rid in list(request_ids):
+            self.abort(rid)
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            self.step()
 
     def kv_housekeeping(self) -> None:
         """Apply finished/failed KV loads and free released or expired leases (also called by an

@@ -167,11 +167,17 @@ class BlockManager:
         # This step's slot -> slot copies, with the request each belongs to: (src, dst, seq).
         self._copies_before: list[tuple[int, int, Sequence]] = []
         self._copies_after: list[tuple[int, int, Sequence]] = []
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Zero the prefix-cache totals (and the checkpoints'): what a warm-up leaves in them."""
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hits = 0  # of those, tokens served from the cache
         # Tokens whose K/V were cached at admission (hits before truncation to a checkpoint; equal
         # to prefix_hits for a model without state groups).
         self.prefix_kv_hits = 0
+        if self.checkpoints is not None:
+            self.checkpoints.reset_counters()
 
     @classmethod
     def from_plan(cls, plan, enable_prefix_caching: bool = True, checkpoint_stride: int = 0) -> "BlockManager":

@@ -90,6 +90,10 @@ class CheckpointSlots:
         self._free: deque[int] = deque(range(first, first + num_slots))
         self._pending: set[int] = set()
         self._by_hash: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, LRU first
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Zero the totals (what a warm-up leaves in them); the slots are untouched."""
         self.num_evicted = 0  # registered checkpoints dropped to make room for a new one
         self.num_saved = 0  # checkpoints registered
         self.num_restored = 0  # checkpoints copied into a request's slot

@@ -99,12 +99,7 @@ def warm_up(engine: Any, max_seconds: float, force: bool = False) -> WarmupRepor
         engine.step()
         steps += 1
     if timed_out:
-        for rid in ids:
-            engine.abort(rid)
-        for _ in range(1000):  # aborts settle within a step or two; bounded, never spin
-            if not engine.has_work():
-                break
-            engine.step()
+        engine.abort_and_settle(ids)
     saves = engine.stats().state_checkpoint_saves
     engine.reset_after_warmup()
     report = WarmupReport(len(prompts), sum(map(len, prompts)), steps, round(time.monotonic() - t0, 3), timed_out,

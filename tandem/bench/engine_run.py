@@ -163,12 +163,7 @@ def run_engine(
             break
         admit(now)
     end = time.perf_counter()
-    for rid in list(in_flight):
-        engine.abort(rid)
-    for _ in range(1000):  # let aborts settle so the engine can be reused (bounded: never spin)
-        if not engine.has_work():
-            break
-        engine.step()
+    engine.abort_and_settle(in_flight)
     hits_after = _prefix_hits(engine)
     hits = None if hits_before is None or hits_after is None else hits_after - hits_before
     return EngineRunResult(timings, end - start, steps, timed_out, hits, step_s)
