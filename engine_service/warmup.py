@@ -25,6 +25,7 @@ Runs on CUDA only (the CPU path runs PyTorch ops, nothing to compile) unless for
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,22 +50,38 @@ class WarmupReport:
     checkpoint_saves: int  # state checkpoints the warm-up saved (then forgot): the hybrid path ran
 
 
+def spanning_lengths(longest: int, cap: int, shortest: int = MIN_PROMPT) -> list[int]:
+    """Prompt lengths spanning `[shortest, longest]`: the powers of two from `shortest` below
+    `longest`, and `longest`, each also `OFF_GRID` tokens longer, none above `cap`; longest
+    first (so a bound on the request count keeps the longest)."""
+    lens = []
+    n = shortest
+    while n < longest:
+        lens.append(n)
+        n *= 2
+    lens.append(longest)
+    return sorted({min(m + d, cap) for m in lens for d in (0, OFF_GRID)}, reverse=True)
+
+
+def lengths_filling_steps(lens: Sequence[int], step_tokens: int, min_count: int, max_count: int) -> list[int]:
+    """`lens` cycled until they fill two steps of `step_tokens` tokens (what a burst of requests
+    starts with: full prefill steps, then prefill mixed with decodes), at least `min_count` of
+    them and at most `max_count`."""
+    chosen: list[int] = []
+    total = 0
+    while len(chosen) < max_count and (len(chosen) < min_count or total < 2 * step_tokens):
+        chosen.append(lens[len(chosen) % len(lens)])
+        total += chosen[-1]
+    return chosen
+
+
 def warmup_prompts(vocab_size: int, max_num_batched_tokens: int, max_model_len: int, max_requests: int,
                    seed: int = 0) -> list[list[int]]:
     """The warm-up prompts (see the module docstring): at most `max_requests`, each leaving room
     for its output tokens within `max_model_len`, token ids drawn from a fixed seed."""
     longest = max(1, min(max_num_batched_tokens, max_model_len - OUTPUT_TOKENS))
-    lens: list[int] = []
-    n = MIN_PROMPT
-    while n < longest:
-        lens += [n, min(n + OFF_GRID, longest)]
-        n *= 2
-    lens.append(longest)
-    lens = sorted(set(lens), reverse=True)  # longest first: a bound on requests keeps the full step
-    target = 2 * max_num_batched_tokens
-    chosen: list[int] = []
-    while len(chosen) < max(1, max_requests) and (len(chosen) < len(lens) or sum(chosen) < target):
-        chosen.append(lens[len(chosen) % len(lens)])
+    lens = spanning_lengths(longest, cap=longest)
+    chosen = lengths_filling_steps(lens, max_num_batched_tokens, min_count=len(lens), max_count=max(1, max_requests))
     rng = np.random.default_rng(np.random.SeedSequence([0x7A, 0x4D, seed]))
     return [rng.integers(0, vocab_size, size=n).tolist() for n in chosen]
 

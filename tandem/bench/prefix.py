@@ -130,11 +130,14 @@ def _with_engine(config: Any, model: str | None, prefix_caching: bool, fn: Any) 
 
 
 def _warm(engine: Any, opts: PrefixOptions, deadline: Deadline) -> None:
-    """Short prompts and prompts of the no-reuse length, each also 7 tokens longer, enough to fill
-    two full steps (`warmup_filling_steps`: the timed runs' step shapes compile their kernel
-    variants here); a seed of their own, so nothing they leave in the cache is ever hit."""
-    longest = max(1, engine.max_model_len - 8)
-    lens = [min(n, longest) for n in (64, 71, opts.noreuse_prompt_len, opts.noreuse_prompt_len + 7)]
+    """Prompts from 64 tokens up to the no-reuse length, on and off the 16 grid
+    (`warmup.spanning_lengths`), enough to fill two full steps (`warmup_filling_steps`: the
+    timed runs' step shapes compile their kernel variants here); a seed of their own, so nothing
+    they leave in the cache is ever hit."""
+    from tandem.engine_service.warmup import spanning_lengths
+
+    cap = max(1, engine.max_model_len - 8)
+    lens = spanning_lengths(min(opts.noreuse_prompt_len, cap), cap=cap, shortest=min(64, cap))
     warm_up(engine, warmup_filling_steps(engine.vocab_size, lens, opts.warmup_requests,
                                          engine.config.scheduler.max_num_batched_tokens, seed=opts.seed + 2), deadline)
 

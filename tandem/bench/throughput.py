@@ -52,14 +52,12 @@ class ThroughputOptions:
 
 def engine_warmup(vocab_size: int, workload: Workload, count: int, max_model_len: int,
                   step_tokens: int) -> list[BenchRequest]:
-    """Warm-up requests whose prompts span the workload's lengths (`warmup_prompt_lens`), each
-    length also 7 tokens longer (Triton specialises some integer arguments on divisibility by
-    16, so step sizes off that grid may compile variants of their own), and enough of them to
-    fill two steps of `step_tokens` (`warmup_filling_steps`): the kernel variants of the timed
-    run's shapes compile here, not inside it. Prompts stay within `max_model_len` with their 8
-    output tokens."""
+    """Warm-up requests whose prompts span the workload's lengths from 32 tokens, on and off the
+    16 grid (`warmup_prompt_lens`), and enough of them to fill two steps of `step_tokens`
+    (`warmup_filling_steps`): the kernel variants of the timed run's shapes compile here, not
+    inside it. Prompts stay within `max_model_len` with their 8 output tokens."""
     output_len = 8
-    lens = sorted({min(n + d, max_model_len - output_len) for n in warmup_prompt_lens(workload.requests) for d in (0, 7)})
+    lens = warmup_prompt_lens(workload.requests, cap=max_model_len - output_len)
     return warmup_filling_steps(vocab_size, lens, count, step_tokens, output_len=output_len)
 
 

@@ -187,18 +187,19 @@ def warmup_filling_steps(vocab_size: int, prompt_lens: Sequence[int], count: int
     prefill steps of many requests, then prefill mixed with decodes, then decodes), so the
     kernel variants of those shapes compile here. At most `max_requests` (short prompts would
     otherwise take thousands to fill two steps), unless `count` asks for more."""
+    from tandem.engine_service.warmup import lengths_filling_steps
+
     lens = list(prompt_lens)
-    n = max(count, len(lens))
-    while n < max_requests and sum(lens[i % len(lens)] for i in range(n)) < 2 * step_tokens:
-        n += 1
-    return warmup_requests(vocab_size, n, lens, output_len=output_len, seed=seed)
+    least = max(count, len(lens))
+    chosen = lengths_filling_steps(lens, step_tokens, min_count=least, max_count=max(max_requests, least))
+    return warmup_requests(vocab_size, len(chosen), lens, output_len=output_len, seed=seed)
 
 
-def warmup_prompt_lens(requests: Sequence[BenchRequest]) -> list[int]:
-    """Prompt lengths that span a workload: powers of two from 32 up to its longest prompt."""
+def warmup_prompt_lens(requests: Sequence[BenchRequest], cap: int | None = None) -> list[int]:
+    """Prompt lengths that span a workload: powers of two from 32 up to its longest prompt, each
+    also a few tokens longer (off Triton's divisible-by-16 grid), none above `cap` (default: the
+    longest prompt); `warmup.spanning_lengths`, longest first."""
+    from tandem.engine_service.warmup import spanning_lengths
+
     longest = max((len(r.prompt_token_ids) for r in requests), default=32)
-    lens, n = [], 32
-    while n < longest:
-        lens.append(n)
-        n *= 2
-    return lens + [longest]
+    return spanning_lengths(longest, cap=longest if cap is None else cap, shortest=32)
