@@ -173,6 +173,10 @@ def triton_kernel(fn: Callable[..., None] | None = None, *, do_not_specialize: t
     return TritonKernel(fn, do_not_specialize, do_not_specialize_on_alignment)
 
 
+# The per-request metadata pointers of the varlen state kernels (state indices, start offsets,
+# initial-state flags): a mixed step passes them as views past its decode rows.
+PER_REQUEST_VIEWS = ("idx_ptr", "cu_ptr", "init_ptr")
+
 SEARCH_STEPS_MIN = 11  # binary searches over up to 2047 requests share one compiled variant
 
 

@@ -30,6 +30,7 @@ import torch
 
 from tandem.kernels._utils import (
     FLOAT_DTYPES,
+    PER_REQUEST_VIEWS,
     cast,
     cdiv,
     check_contiguous_last_dim,
@@ -193,7 +194,8 @@ def causal_conv1d_update_ref(
 # --------------------------------------------------------------------------- Triton kernels
 
 
-@triton_kernel(do_not_specialize=("num_tokens", "num_seqs"), do_not_specialize_on_alignment=("idx_ptr", "cu_ptr", "init_ptr"))
+@triton_kernel(do_not_specialize=("num_tokens", "num_seqs"),
+               do_not_specialize_on_alignment=PER_REQUEST_VIEWS)
 def _conv_prefill_kernel(
     x_ptr,
     w_ptr,
@@ -262,7 +264,7 @@ def _conv_prefill_kernel(
     tl.store(y_ptr + tok.to(tl.int64)[:, None] * dim + ch[None, :], out, mask=mask)
 
 
-@triton_kernel(do_not_specialize_on_alignment=("idx_ptr", "cu_ptr", "init_ptr"))
+@triton_kernel(do_not_specialize_on_alignment=PER_REQUEST_VIEWS)
 def _conv_state_writeback_kernel(
     x_ptr,
     state_ptr,

@@ -53,6 +53,7 @@ import torch
 
 from tandem.kernels._utils import (
     FLOAT_DTYPES,
+    PER_REQUEST_VIEWS,
     cast,
     cdiv,
     check_contiguous_last_dim,
@@ -62,8 +63,8 @@ from tandem.kernels._utils import (
     dot,
     dot_precision,
     next_power_of_2,
-    search_steps,
     num_compute_units,
+    search_steps,
     tl,
     triton_helper,
     triton_kernel,
@@ -510,7 +511,7 @@ def _chunk_wu_kernel(
         tl.store(u_ptr + out_rows * V + vv[None, :], u, mask=v_mask)
 
 
-@triton_kernel(do_not_specialize_on_alignment=("idx_ptr", "cu_ptr", "init_ptr"))
+@triton_kernel(do_not_specialize_on_alignment=PER_REQUEST_VIEWS)
 def _chunk_state_kernel(
     kd_ptr,
     w_ptr,
