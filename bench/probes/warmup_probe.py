@@ -1,6 +1,6 @@
 import json, os, time
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine_service.warmup import serving_engine
+from tandem.engine_service.core.warmup import serving_engine
 from tandem.bench.engine_run import run_engine
 from tandem.bench.workloads import make_workload
 out = {}

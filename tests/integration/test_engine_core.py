@@ -59,7 +59,7 @@ def _request(rid: str, max_tokens: int, **sampling) -> engine_pb2.EngineRequest:
 def test_kill_core_fails_every_request_and_exits_nonzero(launch_serve):
     server, frontend, engine_addr = launch_serve([])
     engine_pid = _find(server.proc.pid, " engine ")
-    core_pid = _find(engine_pid, "tandem.engine_service.core_process")
+    core_pid = _find(engine_pid, "tandem.engine_service.core.core_process")
     # The model lives in the core: the engine's gRPC process never loaded torch.
     assert "libtorch" not in Path(f"/proc/{engine_pid}/maps").read_text()
     assert "libtorch" in Path(f"/proc/{core_pid}/maps").read_text()

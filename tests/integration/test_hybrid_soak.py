@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine_service.engine import LLMEngine
+from tandem.engine_service.core.engine import LLMEngine
 from tandem.engine_service.sequence import SamplingParams
 
 BS = 4

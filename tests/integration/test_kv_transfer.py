@@ -18,9 +18,9 @@ import pytest
 
 from tandem.core_protocol import CoreAbort, CoreRequest, FinishReason, KVTransferParams, SamplingParams
 from tandem.engine_service.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
-from tandem.engine_service.core import EngineCore, core_info
-from tandem.engine_service.engine import LLMEngine
-from tandem.engine_service.kv_cache import first_needed_block
+from tandem.engine_service.core.engine_core import EngineCore, core_info
+from tandem.engine_service.core.engine import LLMEngine
+from tandem.engine_service.cache.block_manager import first_needed_block
 from tandem.engine_service.kv_connector.cuda_ipc import InProcessChannel
 
 MODEL = "dummy:tiny-llama"

@@ -146,8 +146,8 @@ def test_windowed_causal_pairs_match_a_brute_force_count():
 
 def test_roofline_fake_plan_holds_only_window_blocks():
     from tandem.bench.roofline import RooflineOptions, fake_plan, plan_num_blocks, uniform_window
-    from tandem.engine_service.kv_cache import NULL_BLOCK
-    from tandem.engine_service.worker_rows import WorkerRows, host_inputs_from_rows
+    from tandem.engine_service.cache.block_manager import NULL_BLOCK
+    from tandem.engine_service.worker.worker_rows import WorkerRows, host_inputs_from_rows
 
     rng = np.random.default_rng(0)
     plan, aliased = fake_plan(4, 100, 1, 16, 4 * 3, 320, rng, window=24, num_groups=2)
@@ -199,8 +199,8 @@ def test_roofline_drives_the_runner_through_a_step_plan(one_torch_thread):
 
     from tandem.bench.roofline import PlannedBatch, decode_path, fake_plan, make_worker
     from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from tandem.engine_service.model_runner import ModelRunner
-    from tandem.engine_service.scheduler import ScheduledSeq
+    from tandem.engine_service.worker.model_runner import ModelRunner
+    from tandem.engine_service.core.scheduler import ScheduledSeq
     from tandem.engine_service.sequence import Sequence
 
     runner = ModelRunner(EngineConfig(ModelConfig(model=TINY), CacheConfig(block_size=4, num_blocks=40),
@@ -375,7 +375,7 @@ def test_serve_rounds_alternate_live_sides_on_fresh_requests(tmp_path, one_torch
 
     import tandem.bench.hf_peer as hf_peer
     import tandem.bench.serve as serve_mod
-    import tandem.engine_service.engine as engine_mod
+    import tandem.engine_service.core.engine as engine_mod
 
     monkeypatch.setenv("TANDEM_TORCH_THREADS", "1")
     # What starts and stops, in order: both sides must be alive across the rounds.
@@ -707,7 +707,7 @@ def test_failures_and_time_limits_are_recorded_not_fatal(tmp_path, one_torch_thr
     from tandem.bench.engine_run import run_engine
     from tandem.bench.results import Deadline, new_record, write_record
     from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from tandem.engine_service.engine import LLMEngine
+    from tandem.engine_service.core.engine import LLMEngine
 
     record = new_record("throughput", TINY, {"note": "synthetic"}, device="cpu")
     with record.stage("first"):

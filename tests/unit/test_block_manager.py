@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine_service.kv_cache import BlockManager, hash_block
+from tandem.engine_service.cache.block_manager import BlockManager, hash_block
 from tandem.engine_service.sequence import SamplingParams, Sequence
 
 BS = 4

@@ -14,8 +14,8 @@ import random
 import pytest
 
 from tandem.engine_service.config import SchedulerConfig
-from tandem.engine_service.kv_cache import NULL_BLOCK, BlockManager, PagedGroup, first_needed_block
-from tandem.engine_service.scheduler import KV_CACHE_TOO_SMALL, Scheduler, ScheduledSeq
+from tandem.engine_service.cache.block_manager import NULL_BLOCK, BlockManager, PagedGroup, first_needed_block
+from tandem.engine_service.core.scheduler import KV_CACHE_TOO_SMALL, Scheduler, ScheduledSeq
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence
 
 BS = 4
@@ -289,9 +289,9 @@ def test_runner_allocates_a_state_group_and_the_engine_hands_out_its_slots(monke
     the runner allocates its tensors, and the engine's requests take and return slots."""
     import torch
 
-    from tandem.engine_service.cache_spec import CacheGroup, CacheLayout, StateSpec
+    from tandem.engine_service.cache.cache_spec import CacheGroup, CacheLayout, StateSpec
     from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig
-    from tandem.engine_service.engine import LLMEngine
+    from tandem.engine_service.core.engine import LLMEngine
     from tandem.engine_service.models.llama import LlamaForCausalLM
 
     plain_layout = LlamaForCausalLM.cache_layout

@@ -37,10 +37,10 @@ TORCH_FREE_MODULES = [
     "tandem.frontend.app",
     "tandem.protocol",
     "tandem.core_protocol",
-    "tandem.engine_service.server",  # the gRPC side of the engine service
-    "tandem.engine_service.app",
-    "tandem.engine_service.mp_client",
-    "tandem.engine_service.metrics",
+    "tandem.engine_service.api.server",  # the gRPC side of the engine service
+    "tandem.engine_service.api.app",
+    "tandem.engine_service.api.mp_client",
+    "tandem.engine_service.api.metrics",
 ]
 
 
@@ -118,7 +118,7 @@ def _config(fail_after_steps=None):
 
 @pytest.fixture(scope="module")
 def engine():
-    from tandem.engine_service.engine import LLMEngine
+    from tandem.engine_service.core.engine import LLMEngine
 
     return LLMEngine(_config())
 
@@ -130,7 +130,7 @@ def _request(rid: str, max_tokens: int = 5, kv=None) -> CoreRequest:
 
 
 def test_engine_core_batches_one_message_per_step_and_returns_kv_params(engine):
-    from tandem.engine_service.core import EngineCore
+    from tandem.engine_service.core.engine_core import EngineCore
 
     core = EngineCore(engine)
     steps0 = engine.counters.steps
@@ -161,7 +161,7 @@ def test_engine_core_batches_one_message_per_step_and_returns_kv_params(engine):
 
 
 def test_engine_core_abort_and_fault_hook(engine):
-    from tandem.engine_service.core import EngineCore, InjectedFault
+    from tandem.engine_service.core.engine_core import EngineCore, InjectedFault
 
     core = EngineCore(engine)
     core.apply(_request("x", max_tokens=50))
@@ -193,7 +193,7 @@ async def _drive(client, rid: str, max_tokens: int = 6) -> tuple[list[int], Requ
 
 
 def test_in_process_client_serves_and_answers_utility(engine):
-    from tandem.engine_service.inproc_client import InProcessCoreClient
+    from tandem.engine_service.api.inproc_client import InProcessCoreClient
 
     async def main():
         client = InProcessCoreClient(engine)
@@ -215,12 +215,12 @@ def test_multiprocess_client_matches_in_process_and_reports_core_death(engine):
     import os
     import signal
 
-    from tandem.engine_service.mp_client import MultiprocessCoreClient
+    from tandem.engine_service.api.mp_client import MultiprocessCoreClient
 
     expected = None
 
     async def reference():
-        from tandem.engine_service.inproc_client import InProcessCoreClient
+        from tandem.engine_service.api.inproc_client import InProcessCoreClient
 
         client = InProcessCoreClient(engine)
         client.start()
@@ -270,7 +270,7 @@ def test_core_process_dies_with_its_parent(tmp_path):
     script.write_text(
         "import asyncio, sys\n"
         "from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig\n"
-        "from tandem.engine_service.mp_client import MultiprocessCoreClient\n"
+        "from tandem.engine_service.api.mp_client import MultiprocessCoreClient\n"
         "async def main():\n"
         "    cfg = EngineConfig(ModelConfig(model='dummy:tiny-qwen3', attention_backend='torch', max_model_len=128),\n"
         "                       CacheConfig(block_size=4, num_blocks=16), SchedulerConfig())\n"
@@ -315,7 +315,7 @@ def test_idle_spin_setting_and_spin_for_input(monkeypatch):
 
     import zmq
 
-    from tandem.engine_service.core_process import idle_spin_seconds, spin_for_input
+    from tandem.engine_service.core.core_process import idle_spin_seconds, spin_for_input
 
     monkeypatch.delenv("TANDEM_CORE_IDLE_SPIN_MS", raising=False)
     assert idle_spin_seconds() == 0.0  # off by default
@@ -348,8 +348,8 @@ def test_idle_spin_setting_and_spin_for_input(monkeypatch):
 
 
 def test_core_process_with_idle_spin_serves_requests_that_come_during_and_after_it(engine, monkeypatch):
-    from tandem.engine_service.inproc_client import InProcessCoreClient
-    from tandem.engine_service.mp_client import MultiprocessCoreClient
+    from tandem.engine_service.api.inproc_client import InProcessCoreClient
+    from tandem.engine_service.api.mp_client import MultiprocessCoreClient
 
     async def reference():
         client = InProcessCoreClient(engine)

@@ -16,8 +16,8 @@ import torch
 
 from tandem.core_protocol import SamplingParams
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine_service.engine import LLMEngine
-from tandem.engine_service.warmup import OFF_GRID, OUTPUT_TOKENS, warm_up, warmup_prompts
+from tandem.engine_service.core.engine import LLMEngine
+from tandem.engine_service.core.warmup import OFF_GRID, OUTPUT_TOKENS, warm_up, warmup_prompts
 
 TOTALS = ("prompt_tokens_total", "generation_tokens_total", "steps_total", "finished_requests_total",
           "aborted_requests_total", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_kv_hits",

@@ -26,10 +26,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tandem.engine_service.input_batch import assemble_host_inputs, host_to_device, plan_state_split  # noqa: E402
+from tandem.engine_service.worker.input_batch import assemble_host_inputs, host_to_device, plan_state_split  # noqa: E402
 from tandem.engine_service.layers.attention import AttentionMetadata  # noqa: E402
 from tandem.engine_service.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape  # noqa: E402
-from tandem.engine_service.loader import build_model, resolve_model  # noqa: E402
+from tandem.engine_service.worker.loader import build_model, resolve_model  # noqa: E402
 
 BLOCK_SIZE = 4
 SHAPE = GatedDeltaNetShape(hidden_size=48, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,

@@ -34,7 +34,7 @@ def _meta_module(name: str) -> torch.nn.Module:
 
 
 def _runner(name: str, slots: int = 4, num_blocks: int = 32):
-    from tandem.engine_service.model_runner import ModelRunner
+    from tandem.engine_service.worker.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig(
         ModelConfig(model=f"dummy:{name}", device="cpu", dtype="float32", attention_backend="torch",
@@ -260,7 +260,7 @@ def test_static_batch_peer_matches_the_engine_greedy_tokens(one_torch_thread) ->
         static_batches
     from tandem.bench.results import Deadline
     from tandem.bench.workloads import BenchRequest
-    from tandem.engine_service.engine import LLMEngine
+    from tandem.engine_service.core.engine import LLMEngine
     from tandem.engine_service.sequence import SamplingParams
 
     engine = LLMEngine(EngineConfig(

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine_service.engine import LLMEngine
-from tandem.engine_service.input_batch import build_model_inputs
-from tandem.engine_service.loader import build_model, resolve_model
+from tandem.engine_service.core.engine import LLMEngine
+from tandem.engine_service.worker.input_batch import build_model_inputs
+from tandem.engine_service.worker.loader import build_model, resolve_model
 from tandem.engine_service.sequence import SamplingParams, Sequence
 
 STEPS = 32
@@ -324,7 +324,7 @@ def test_decode_through_graph_buffers_with_state_slots(checkpoint) -> None:
     rows read their state slots from the fixed index buffer, padded rows the scratch slot, and
     the tokens match transformers. A pure-decode step whose request starts its state (a
     one-token prompt admitted while others decode) is refused by the graphs and runs eagerly."""
-    from tandem.engine_service.cuda_graphs import DecodeCudaGraphs
+    from tandem.engine_service.worker.cuda_graphs import DecodeCudaGraphs
 
     _, hf, path = checkpoint
     engine = make_engine(path, budget=64, max_num_seqs=4)

@@ -21,14 +21,14 @@ import pytest
 import torch
 
 from tandem.core_protocol import EngineStats
-from tandem.engine_service.cache_spec import CacheGroup, CacheLayout, FullAttentionSpec, StateSpec
+from tandem.engine_service.cache.cache_spec import CacheGroup, CacheLayout, FullAttentionSpec, StateSpec
 from tandem.engine_service.config import CacheConfig, SchedulerConfig
-from tandem.engine_service.kv_cache import NULL_BLOCK, BlockManager, PagedGroup
-from tandem.engine_service.memory import plan_cache
-from tandem.engine_service.scheduler import Scheduler, SchedulerOutput
+from tandem.engine_service.cache.block_manager import NULL_BLOCK, BlockManager, PagedGroup
+from tandem.engine_service.cache.memory_plan import plan_cache
+from tandem.engine_service.core.scheduler import Scheduler, SchedulerOutput
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence
-from tandem.engine_service.state_copies import check_copies, copy_state_slots
-from tandem.engine_service.state_pool import CheckpointSlots
+from tandem.engine_service.worker.state_copies import check_copies, copy_state_slots
+from tandem.engine_service.cache.state_pool import CheckpointSlots
 from tandem.engine_service.step_plan import StepPlan, decode_plan, encode_plan
 
 BS = 4
@@ -220,7 +220,7 @@ def test_checkpoint_goes_with_its_evicted_block_and_lru_when_slots_run_out() -> 
 
 
 def make_hashes(tokens: list[int], n: int) -> list[int]:
-    from tandem.engine_service.kv_cache import hash_block
+    from tandem.engine_service.cache.block_manager import hash_block
 
     out, parent = [], None
     for i in range(n):
@@ -427,7 +427,7 @@ def test_check_copies_rejects_bad_pairs() -> None:
 
 def test_worker_runs_restores_before_and_saves_after_the_forward() -> None:
     from tandem.engine_service.step_plan import NewRequest
-    from tandem.engine_service.worker import StepWorker
+    from tandem.engine_service.worker.worker import StepWorker
 
     order: list = []
 
@@ -523,7 +523,7 @@ def test_checkpoint_slots_books() -> None:
 def test_metrics_expose_kv_hits_and_checkpoints() -> None:
     from types import SimpleNamespace
 
-    from tandem.engine_service.metrics import EngineMetrics
+    from tandem.engine_service.api.metrics import EngineMetrics
 
     info = SimpleNamespace(block_size=16, kv_blocks=100, enable_prefix_caching=True, max_model_len=2048)
     snap = EngineStats(kv_blocks_total=100, prefix_cache_hits=512, prefix_cache_kv_hits=600,
@@ -620,7 +620,7 @@ def hf_greedy(hf, tokens: list[int], steps: int = STEPS) -> list[int]:
 
 def hybrid_engine(path, prefix_caching: bool, budget: int = 64, overlap: str = "off", num_blocks: int = 128):
     from tandem.engine_service.config import EngineConfig, ModelConfig
-    from tandem.engine_service.engine import LLMEngine
+    from tandem.engine_service.core.engine import LLMEngine
 
     return LLMEngine(EngineConfig(
         ModelConfig(model=str(path), attention_backend="torch", max_model_len=256),

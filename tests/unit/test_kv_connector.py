@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
-from tandem.engine_service.block_pool import PagedGroup
-from tandem.engine_service.cache_spec import (
+from tandem.engine_service.cache.block_pool import PagedGroup
+from tandem.engine_service.cache.cache_spec import (
     CacheGroup,
     CacheLayout,
     FullAttentionSpec,
@@ -21,9 +21,9 @@ from tandem.engine_service.cache_spec import (
     SlidingWindowSpec,
     StateSpec,
 )
-from tandem.engine_service.cache_tensors import allocate_cache_tensors
+from tandem.engine_service.cache.cache_tensors import allocate_cache_tensors
 from tandem.engine_service.config import KVTransferConfig
-from tandem.engine_service.kv_cache import NULL_BLOCK, BlockManager
+from tandem.engine_service.cache.block_manager import NULL_BLOCK, BlockManager
 from tandem.engine_service.kv_connector.block_io import KVBlockIO
 from tandem.engine_service.kv_connector.leases import LeasedBlocks, LeaseTable
 from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, LoadSpec
@@ -40,7 +40,7 @@ from tandem.engine_service.kv_connector.wire import (
     send_message,
 )
 from tandem.engine_service.kv_connector.worker_side import KVConnectorWorker
-from tandem.engine_service.memory import GroupPlan, MemoryPlan
+from tandem.engine_service.cache.memory_plan import GroupPlan, MemoryPlan
 from tandem.engine_service.sequence import Sequence
 from tandem.engine_service.step_plan import StepPlan, decode_plan, encode_plan
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tandem.engine_service import loader
+from tandem.engine_service.worker import loader
 from tandem.engine_service.dummy_configs import dummy_config_names, get_dummy_config
-from tandem.engine_service.input_batch import build_model_inputs
+from tandem.engine_service.worker.input_batch import build_model_inputs
 from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tandem.engine_service.loader import (
+from tandem.engine_service.worker.loader import (
     WeightLoadError,
     build_model,
     init_dummy_weights,

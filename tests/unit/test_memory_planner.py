@@ -10,7 +10,7 @@ import torch
 
 from tandem.engine_service.config import CacheConfig
 from tandem.engine_service.dummy_configs import get_dummy_config
-from tandem.engine_service.cache_spec import (
+from tandem.engine_service.cache.cache_spec import (
     CacheGroup,
     CacheLayout,
     FullAttentionSpec,
@@ -18,7 +18,7 @@ from tandem.engine_service.cache_spec import (
     StateSpec,
     attention_layout,
 )
-from tandem.engine_service.memory import (
+from tandem.engine_service.cache.memory_plan import (
     estimate_activation_bytes,
     full_attention_layout,
     kv_bytes_per_block,
@@ -157,8 +157,8 @@ def test_activation_estimate_grows_with_the_step_budget() -> None:
 
 
 def test_latent_group_gets_the_full_groups_block_count_and_its_own_entry_size() -> None:
-    from tandem.engine_service.cache_spec import LatentSpec
-    from tandem.engine_service.cache_tensors import allocate_cache_tensors
+    from tandem.engine_service.cache.cache_spec import LatentSpec
+    from tandem.engine_service.cache.cache_tensors import allocate_cache_tensors
 
     layout = CacheLayout((
         CacheGroup("full_attention", FullAttentionSpec(2, 16, "float32"), (0,)),

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.core_protocol import EngineStats, FinishReason
 from tandem.core_protocol import RequestOutput as StepOutput
-from tandem.engine_service.metrics import EngineMetrics
+from tandem.engine_service.api.metrics import EngineMetrics
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.metrics import token_buckets
 from tandem.request_scope import RequestScope, grpc_outcome

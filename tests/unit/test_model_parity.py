@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.engine_service.input_batch import build_model_inputs
+from tandem.engine_service.worker.input_batch import build_model_inputs
 from tandem.engine_service.layers.attention import AttentionMetadata, paged_attention_reference, write_kv
-from tandem.engine_service.loader import build_model, resolve_model
+from tandem.engine_service.worker.loader import build_model, resolve_model
 from tandem.engine_service.sequence import SamplingParams, Sequence
 
 ATOL = 1e-4

@@ -12,7 +12,7 @@ import transformers
 
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tandem.engine_service.dummy_configs import get_dummy_config
-from tandem.engine_service.model_runner import ModelRunner, resolve_device, resolve_dtype
+from tandem.engine_service.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from tandem.engine_service.sequence import SamplingParams, Sequence
 
 BLOCK_SIZE = 4

@@ -13,7 +13,7 @@ import torch
 from tandem.bench import accounting
 from tandem.engine_service.dummy_configs import get_dummy_config
 from tandem.engine_service.layers.moe import expected_distinct_experts
-from tandem.engine_service.loader import build_model, resolve_model
+from tandem.engine_service.worker.loader import build_model, resolve_model
 
 
 def hf_param_count(cfg: dict) -> int:
@@ -101,7 +101,7 @@ def test_roofline_decode_point_reports_the_moe_floor(monkeypatch) -> None:
     from tandem.bench import roofline
     from tandem.bench.results import BenchRecord, Deadline
     from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from tandem.engine_service.model_runner import ModelRunner
+    from tandem.engine_service.worker.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(ModelConfig(model="dummy:tiny-qwen3-moe", dtype="float32"),
                                       CacheConfig(block_size=4, num_blocks=64), SchedulerConfig()))

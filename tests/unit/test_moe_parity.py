@@ -24,9 +24,9 @@ import torch  # noqa: E402
 
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from tandem.engine_service.dummy_configs import get_dummy_config  # noqa: E402
-from tandem.engine_service.engine import LLMEngine  # noqa: E402
+from tandem.engine_service.core.engine import LLMEngine  # noqa: E402
 from tandem.engine_service.layers.moe import SparseMoeBlock  # noqa: E402
-from tandem.engine_service.loader import WeightLoadError, build_model, resolve_model  # noqa: E402
+from tandem.engine_service.worker.loader import WeightLoadError, build_model, resolve_model  # noqa: E402
 from tandem.engine_service.sequence import SamplingParams  # noqa: E402
 
 STEPS = 32
@@ -215,7 +215,7 @@ def test_triton_op_set_matches_transformers(checkpoint) -> None:
     engine: mixed prefill/decode batches, then decode through the CUDA-graph runner's fixed,
     padded buffers (run eagerly here: padding rows are routed through the experts too and must
     not disturb the real rows)."""
-    from tandem.engine_service.cuda_graphs import DecodeCudaGraphs
+    from tandem.engine_service.worker.cuda_graphs import DecodeCudaGraphs
 
     hf, path = checkpoint
     steps = 6  # the interpreter is slow

@@ -9,9 +9,9 @@ import asyncio
 import grpc
 import pytest
 
-from tandem.engine_service.engine import StepOutput
+from tandem.engine_service.core.engine import StepOutput
 from tandem.engine_service.sequence import FinishReason
-from tandem.engine_service.server import EngineServicer
+from tandem.engine_service.api.server import EngineServicer
 from tandem.frontend.engine_mux import MuxChannel
 from tandem.protocol import Limits
 from tandem.v1 import common_pb2, engine_pb2

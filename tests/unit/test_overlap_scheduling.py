@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine_service.cuda_graphs import DecodeCudaGraphs
-from tandem.engine_service.engine import LLMEngine
-from tandem.engine_service.input_batch import PENDING_PLACEHOLDER, PinnedStaging, prepare_host_inputs
-from tandem.engine_service.model_runner import ModelRunner
+from tandem.engine_service.worker.cuda_graphs import DecodeCudaGraphs
+from tandem.engine_service.core.engine import LLMEngine
+from tandem.engine_service.worker.input_batch import PENDING_PLACEHOLDER, PinnedStaging, prepare_host_inputs
+from tandem.engine_service.worker.model_runner import ModelRunner
 from tandem.engine_service.sequence import FinishReason, SamplingParams
 
 MODEL = "dummy:tiny-qwen3"
@@ -101,7 +101,7 @@ def compare(got_off: dict, got_on: dict) -> None:
 
 
 def test_pending_input_token_is_a_placeholder_with_its_source_row() -> None:
-    from tandem.engine_service.scheduler import ScheduledSeq
+    from tandem.engine_service.core.scheduler import ScheduledSeq
     from tandem.engine_service.sequence import Sequence
 
     known = Sequence("k", [5, 6, 7], SamplingParams())

@@ -22,7 +22,7 @@ from tandem.engine_service.dummy_configs import get_dummy_config
 
 
 def _engine_and_peer(name: str):
-    from tandem.engine_service.model_runner import ModelRunner
+    from tandem.engine_service.worker.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(
         ModelConfig(model=f"dummy:{name}", device="cpu", dtype="float32", attention_backend="torch", max_model_len=256),

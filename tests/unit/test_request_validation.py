@@ -114,7 +114,7 @@ def test_tiny_temperature_is_greedy(t):
 
 def test_tiny_temperature_picks_the_argmax_in_the_sampler():
     """Failure 3: through the real sampler, 1e-38 gives the argmax (before: inf logits, NaN, token 0)."""
-    from tandem.engine_service.sampler import Sampler
+    from tandem.engine_service.worker.sampler import Sampler
     from tandem.engine_service.sequence import Sequence
 
     params = sampling_from_proto(sampling(temperature=1e-38, seed=3), LIMITS, 3)

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tandem.engine_service.sampler import Sampler, SamplerOutput, TokenLogprobs
+from tandem.engine_service.worker.sampler import Sampler, SamplerOutput, TokenLogprobs
 from tandem.engine_service.sequence import SamplingParams, Sequence
 
 # -- naive references --------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from collections import Counter
 import pytest
 
 from tandem.engine_service.config import SchedulerConfig
-from tandem.engine_service.kv_cache import BlockManager
-from tandem.engine_service.scheduler import (
+from tandem.engine_service.cache.block_manager import BlockManager
+from tandem.engine_service.core.scheduler import (
     EXCEEDS_MAX_MODEL_LEN,
     KV_CACHE_TOO_SMALL,
     Scheduler,

@@ -20,9 +20,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from tandem.engine_service.cuda_graphs import DecodeCudaGraphs  # noqa: E402
-from tandem.engine_service.engine import LLMEngine  # noqa: E402
-from tandem.engine_service.kv_cache import NULL_BLOCK  # noqa: E402
+from tandem.engine_service.worker.cuda_graphs import DecodeCudaGraphs  # noqa: E402
+from tandem.engine_service.core.engine import LLMEngine  # noqa: E402
+from tandem.engine_service.cache.block_manager import NULL_BLOCK  # noqa: E402
 from tandem.engine_service.sequence import SamplingParams  # noqa: E402
 
 STEPS = 64

@@ -91,7 +91,7 @@ def test_hub_id_resolves_through_the_local_cache_offline(tmp_path):
             "check_model_spec('someorg/tiny-model')\n"
             "print(resolve_hub_model('someorg/tiny-model'))\n"
             "try:\n    check_model_spec('someorg/absent')\nexcept Exception as e:\n    print('ERR', e)\n"
-            "from tandem.engine_service.loader import resolve_model\n"
+            "from tandem.engine_service.worker.loader import resolve_model\n"
             "print(resolve_model('someorg/tiny-model').path)\n")
     out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -28,14 +28,14 @@ import pytest
 import torch
 
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tandem.engine_service.engine import LLMEngine
-from tandem.engine_service.input_batch import HostInputs, prepare_host_inputs
-from tandem.engine_service.kv_cache import NULL_BLOCK, first_needed_block
-from tandem.engine_service.memory import GroupPlan, MemoryPlan
-from tandem.engine_service.plan_builder import StepPlanBuilder
+from tandem.engine_service.core.engine import LLMEngine
+from tandem.engine_service.worker.input_batch import HostInputs, prepare_host_inputs
+from tandem.engine_service.cache.block_manager import NULL_BLOCK, first_needed_block
+from tandem.engine_service.cache.memory_plan import GroupPlan, MemoryPlan
+from tandem.engine_service.core.plan_builder import StepPlanBuilder
 from tandem.engine_service.sequence import SamplingParams
 from tandem.engine_service.step_plan import CachedRequests, NewRequest, StepPlan, decode_plan, encode_plan
-from tandem.engine_service.worker_rows import WorkerRows, host_inputs_from_rows
+from tandem.engine_service.worker.worker_rows import WorkerRows, host_inputs_from_rows
 
 BLOCK_SIZE = 4
 VOCAB = 64
@@ -289,7 +289,7 @@ def test_worker_rows_match_sequence_inputs_with_a_sliding_window_group(overlap: 
 
 
 def test_preemption_keeps_tokens_and_generator_and_resume_replaces_blocks() -> None:
-    from tandem.engine_service.scheduler import ScheduledSeq, SchedulerOutput
+    from tandem.engine_service.core.scheduler import ScheduledSeq, SchedulerOutput
     from tandem.engine_service.sequence import Sequence
 
     builder, rows = StepPlanBuilder(), WorkerRows()
@@ -348,7 +348,7 @@ def test_preemption_keeps_tokens_and_generator_and_resume_replaces_blocks() -> N
 
 
 def test_reused_id_gets_a_fresh_row_and_the_old_token_is_not_appended() -> None:
-    from tandem.engine_service.scheduler import ScheduledSeq, SchedulerOutput
+    from tandem.engine_service.core.scheduler import ScheduledSeq, SchedulerOutput
     from tandem.engine_service.sequence import Sequence
 
     builder, rows = StepPlanBuilder(), WorkerRows()
@@ -446,11 +446,11 @@ def test_given_back_window_entries_are_marked_in_the_rows() -> None:
 def _sequence_path_tokens(runner, config: EngineConfig, requests) -> dict[str, list[int]]:
     """The engine loop as it was before the plan: the runner and the sampler read the scheduler's
     Sequences directly (no overlap)."""
-    from tandem.engine_service.kv_cache import BlockManager
-    from tandem.engine_service.sampler import Sampler
-    from tandem.engine_service.scheduler import Scheduler
+    from tandem.engine_service.cache.block_manager import BlockManager
+    from tandem.engine_service.worker.sampler import Sampler
+    from tandem.engine_service.core.scheduler import Scheduler
     from tandem.engine_service.sequence import Sequence
-    from tandem.engine_service.stopping import check_stop
+    from tandem.engine_service.core.stopping import check_stop
 
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True)
     scheduler = Scheduler(config.scheduler, bm, runner.max_model_len)
@@ -474,7 +474,7 @@ def _sequence_path_tokens(runner, config: EngineConfig, requests) -> dict[str, l
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_engine_through_plans_matches_the_sequence_path_on_a_real_model(overlap: str) -> None:
-    from tandem.engine_service.model_runner import ModelRunner
+    from tandem.engine_service.worker.model_runner import ModelRunner
 
     def config(mode: str) -> EngineConfig:
         return EngineConfig(

@@ -6,7 +6,7 @@ import random
 
 from tandem.core_protocol import StopSequence, StopToken
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from tandem.engine_service.stopping import check_stop
+from tandem.engine_service.core.stopping import check_stop
 
 EOS = 2
 MAX_LEN = 1000

@@ -22,7 +22,7 @@ import transformers  # noqa: E402
 
 from tandem.cli import _engine_config, _engine_flags, build_parser  # noqa: E402
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from tandem.engine_service.cuda_graphs import (  # noqa: E402
+from tandem.engine_service.worker.cuda_graphs import (  # noqa: E402
     BATCH_BUCKETS,
     DecodeCudaGraphs,
     bucket_for,
@@ -31,7 +31,7 @@ from tandem.engine_service.cuda_graphs import (  # noqa: E402
     splits_per_bucket,
 )
 from tandem.engine_service.dummy_configs import get_dummy_config  # noqa: E402
-from tandem.engine_service.input_batch import (  # noqa: E402
+from tandem.engine_service.worker.input_batch import (  # noqa: E402
     PinnedStaging,
     build_model_inputs,
     host_to_device,
@@ -40,7 +40,7 @@ from tandem.engine_service.input_batch import (  # noqa: E402
 from tandem.engine_service.layers.attention import TorchReferenceBackend  # noqa: E402
 from tandem.engine_service.layers.backend_select import select_attention_backend  # noqa: E402
 from tandem.engine_service.layers.triton_backend import TritonAttentionBackend  # noqa: E402
-from tandem.engine_service.model_runner import ModelRunner  # noqa: E402
+from tandem.engine_service.worker.model_runner import ModelRunner  # noqa: E402
 from tandem.engine_service.sequence import SamplingParams, Sequence  # noqa: E402
 from tandem.kernels.paged_attention import choose_num_splits  # noqa: E402
 

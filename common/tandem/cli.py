@@ -1,0 +1,497 @@
+"""The `tandem` command: serve, engine, frontend, generate, chat, bench.
+
+Flags come from dataclasses (`engine_service/config.py`, `tandem/cli_options.py`) through
+`tandem.options`: every flag has a help line with its default, a `TANDEM_<FLAG>` environment
+variable and a `--config FILE` key; precedence: command line > environment > config file >
+default. A server command checks its flags before it starts (`tandem.startup_checks`) and a
+client command waits for the server to be ready (`tandem.readiness`); either failure is one
+line on stderr (one JSON record with `--log-format json`) and a non-zero exit. Tracebacks
+appear only with `--log-level debug`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from tandem import options
+from tandem.cli_options import (
+    DEFAULT_ENGINE_ADDRESS,
+    ENGINE_SERVER_DEFAULTS,
+    ClientArgs,
+    EngineCoreArgs,
+    FrontendArgs,
+    MetricsArgs,
+    ServeArgs,
+    ServerArgs,
+)
+from tandem.engine_service.config import KVTransferConfig
+from tandem.startup_checks import StartupError
+
+
+# -- engine flags (their declaration: engine_service/config.py; tests call these two) --------------
+
+
+def _engine_config(args):
+    return options.engine_config_from_args(args)
+
+
+def _engine_flags(args) -> list[str]:
+    """The engine flags of `serve`, passed on to the engine subprocess."""
+    return options.engine_argv(_engine_config(args))
+
+
+def _security(args, prefix: str = ""):
+    """The SecurityOptions of one hop (flags from `add_security_args`); a bad combination exits."""
+    from tandem.security import SecurityConfigError, SecurityOptions
+
+    try:
+        return SecurityOptions.from_args(args, prefix)
+    except SecurityConfigError as exc:
+        message = str(exc) if str(exc).startswith("-") else f"--{prefix}{exc}"
+        raise StartupError(message.split()[0], None, message) from None
+
+
+def _metrics_options(args) -> dict:
+    return {"metrics_host": args.metrics_host or args.host, "metrics_port": args.metrics_port}
+
+
+def _engine_metrics_argv(args, offset: int = 0) -> list[str]:
+    """`serve`: the engine child's metrics flags (its own port, the shared bind address); the
+    second engine of `--disaggregated` uses the port `offset` above."""
+    if args.engine_metrics_port is None:
+        return []
+    if offset:
+        port = args.engine_metrics_port + offset if args.engine_metrics_port else 0
+        return ["--metrics-host", args.metrics_host or args.engine_host, "--metrics-port", str(port)]
+    if args.engine_metrics_port == args.metrics_port and args.metrics_port != 0:
+        raise StartupError("--engine-metrics-port", args.engine_metrics_port,
+                           "must differ from --metrics-port (two processes)")
+    return ["--metrics-host", args.metrics_host or args.engine_host, "--metrics-port", str(args.engine_metrics_port)]
+
+
+def _fault_after_steps() -> int | None:
+    """Testing only: TANDEM_FAULT_AFTER_STEPS=N makes the engine loop fail after N steps."""
+    value = os.environ.get("TANDEM_FAULT_AFTER_STEPS")
+    return int(value) if value else None
+
+
+def _connect_host(host: str) -> str:
+    """The address a local client dials for a server bound to `host`."""
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
+
+
+# -- server commands ------------------------------------------------------------------------------
+
+
+def _check_engine_flags(args) -> None:
+    from tandem import startup_checks
+
+    startup_checks.check_model(args.model)
+    startup_checks.check_generation_config(args.generation_config)
+
+
+def cmd_engine(args) -> int:
+    from tandem import startup_checks
+
+    _check_engine_flags(args)
+    startup_checks.check_port_free("--port", args.host, args.port)
+    startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
+    startup_checks.check_pem_files(args)
+    from tandem.engine_service.api.app import EngineServerOptions, run_engine
+
+    server = options.from_args(ServerArgs, args)
+    return run_engine(_engine_config(args), EngineServerOptions(host=server.host, port=server.port,
+                                                                default_max_tokens=server.default_max_tokens,
+                                                                drain_timeout=server.drain_timeout,
+                                                                security=_security(args),
+                                                                reflection=server.enable_reflection,
+                                                                fail_after_steps=_fault_after_steps(),
+                                                                engine_core=args.engine_core,
+                                                                log_level=args.log_level,
+                                                                log_format=args.log_format,
+                                                                **_metrics_options(args)))
+
+
+def _frontend_options(args, engines: list[str], prefill: list[str] | None = None, decode: list[str] | None = None):
+    from tandem.frontend.app import FrontendOptions
+
+    server = options.from_args(ServerArgs, args)
+    return FrontendOptions(host=server.host, port=server.port, engines=engines, tokenizer_path=args.tokenizer,
+                           prefill_engines=list(prefill or []), decode_engines=list(decode or []),
+                           served_model_name=args.served_model_name, default_max_tokens=server.default_max_tokens,
+                           drain_timeout=server.drain_timeout, security=_security(args),
+                           engine_security=_security(args, "engine-"), reflection=server.enable_reflection,
+                           engine_transport=args.engine_transport, **_metrics_options(args))
+
+
+def _disaggregated_engines(args) -> tuple[list[str], list[str]]:
+    """`--prefill-engine` / `--decode-engine`: both or neither, and not with `--engine`."""
+    prefill, decode = args.prefill_engine or [], args.decode_engine or []
+    if bool(prefill) != bool(decode):
+        missing = "--decode-engine" if prefill else "--prefill-engine"
+        raise StartupError(missing, None, f"{missing} is needed too: disaggregated prefill/decode takes a "
+                                          "prefill pool and a decode pool")
+    if prefill and args.engine:
+        raise StartupError("--engine", None, "--engine cannot be combined with --prefill-engine/--decode-engine "
+                                             "(the two pools replace it)")
+    return prefill, decode
+
+
+def cmd_frontend(args) -> int:
+    from tandem import startup_checks
+
+    prefill, decode = _disaggregated_engines(args)
+    engines = prefill + decode if prefill else (args.engine or [DEFAULT_ENGINE_ADDRESS])
+    startup_checks.check_port_free("--port", args.host, args.port)
+    startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
+    startup_checks.check_pem_files(args)
+    startup_checks.check_pem_files(args, "engine-")
+    startup_checks.check_engines_reachable(engines, args.engine_connect_timeout)
+    from tandem.frontend.workers import run_frontend_workers
+
+    return run_frontend_workers(_frontend_options(args, engines, prefill, decode), args.workers, args.log_level,
+                                args.log_format == "json")
+
+
+def _child_env(parser_for_engine: argparse.ArgumentParser) -> dict[str, str]:
+    """The environment of `serve`'s engine child: the parent passes every engine flag on the
+    command line, so `TANDEM_<FLAG>` variables meant for the parent (its `--port`, its
+    certificate) must not become the child's defaults."""
+    names = {options.env_name(a) for a in options.flag_actions(parser_for_engine)} - {None}
+    names.discard("TANDEM_CACHE_DIR")  # also read by the loader, with the same meaning
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+def _kv_role_argv(args, role: str) -> list[str]:
+    """`serve --disaggregated`: an engine child's KV role, after the shared engine flags (the
+    later flag wins). The producer serves pulls on --kv-transfer-address when one was given, else
+    on a free port of --engine-host; a given --kv-engine-id gets the role as a suffix."""
+    argv = ["--kv-role", role]
+    if role == "producer":
+        given = args.transfer_address
+        argv += ["--kv-transfer-address", given if given != _DEFAULT_KV_ADDRESS else f"{args.engine_host}:0"]
+    if args.engine_id:
+        argv += ["--kv-engine-id", f"{args.engine_id}-{'prefill' if role == 'producer' else 'decode'}"]
+    return argv
+
+
+_DEFAULT_KV_ADDRESS = KVTransferConfig.transfer_address
+
+
+def cmd_serve(args) -> int:
+    """Engine in a child process (two with --disaggregated: a prefill and a decode engine),
+    frontend in this one; any of them ending ends all."""
+    import multiprocessing
+
+    from tandem import startup_checks
+
+    _check_engine_flags(args)
+    decode_port = None
+    if args.disaggregated:
+        decode_port = args.decode_engine_port if args.decode_engine_port is not None else args.engine_port + 1
+        if decode_port == args.engine_port:
+            raise StartupError("--decode-engine-port", decode_port, "must differ from --engine-port (two engines)")
+    startup_checks.check_port_free("--port", args.host, args.port)
+    startup_checks.check_port_free("--engine-port", args.engine_host, args.engine_port)
+    if decode_port is not None:
+        startup_checks.check_port_free("--decode-engine-port", args.engine_host, decode_port)
+    startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
+    startup_checks.check_port_free("--engine-metrics-port", args.metrics_host or args.engine_host, args.engine_metrics_port)
+    startup_checks.check_pem_files(args)
+    startup_checks.check_pem_files(args, "engine-")
+    # Imported after the checks: a wrong flag is reported before torch loads.
+    from tandem.frontend.workers import run_frontend_workers
+    from tandem.security import engine_child_security
+
+    engine_addr = f"{args.engine_host}:{args.engine_port}"
+    if decode_port is not None:
+        decode_addr = f"{args.engine_host}:{decode_port}"
+        frontend_options = _frontend_options(args, [engine_addr, decode_addr], [engine_addr], [decode_addr])
+        # The decode engine's metrics (if asked) on the next port up.
+        engines = [(args.engine_port, _kv_role_argv(args, "producer"), _engine_metrics_argv(args)),
+                   (decode_port, _kv_role_argv(args, "consumer"), _engine_metrics_argv(args, offset=1))]
+    else:
+        frontend_options = _frontend_options(args, [engine_addr])
+        engines = [(args.engine_port, [], _engine_metrics_argv(args))]
+    engine_security = frontend_options.engine_security
+    # The engine child gets the server side of the engine hop; its token travels in the env.
+    child_security_argv, child_env = engine_child_security(engine_security)
+    server = options.from_args(ServerArgs, args)
+    children = [subprocess.Popen(
+        [sys.executable, "-P", "-m", "tandem.cli", "--log-level", args.log_level, "--log-format", args.log_format,
+         "engine", "--host", args.engine_host, "--port", str(port),
+         "--default-max-tokens", str(server.default_max_tokens), "--drain-timeout", str(server.drain_timeout)]
+        + _engine_flags(args) + role_argv + ["--engine-core", args.engine_core] + child_security_argv
+        + metrics_argv
+        + (["--enable-reflection"] if server.enable_reflection else []),
+        env={**_child_env(args.engine_parser), **child_env},
+    ) for port, role_argv, metrics_argv in engines]
+
+    stopping = threading.Event()
+    ready = threading.Event()
+    engine_died = threading.Event()  # on its own, not stopped by us
+    died_code: list[int] = []
+
+    def stop_children(timeout: float) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+    def end_during_startup(code: int, line: str | None) -> None:
+        # Nothing to drain before the frontend is ready: stop the children and the extra frontend
+        # workers this process started, and leave without the event loop's teardown noise.
+        stopping.set()
+        stop_children(15)
+        for worker in multiprocessing.active_children():
+            worker.kill()
+        if line:
+            _report_line(args, line)
+        sys.stderr.flush()
+        os._exit(code)
+
+    def stop_during_startup(signum, frame):
+        end_during_startup(128 + signum if signum != signal.SIGTERM else 0, None)
+
+    def watch_engine(child: subprocess.Popen, name: str):
+        child.wait()
+        if stopping.is_set():
+            return
+        line = f"the {name} exited with code {child.returncode}"
+        if not ready.is_set():
+            end_during_startup(child.returncode or 1, line + " before it was ready (its log is above)")
+        if engine_died.is_set():
+            return
+        died_code.append(child.returncode)
+        engine_died.set()
+        _report_line(args, line)  # an engine died on its own: end the frontend too
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def announce_ready():
+        ready.set()
+        address = f"{_connect_host(args.host)}:{args.port}"
+        shape = (f" (disaggregated: prefill engine {engine_addr}, decode engine {decode_addr})"
+                 if decode_port is not None else "")
+        print(f"Tandem is ready: {args.served_model_name or args.model} at {address}{shape} "
+              f"(try: tandem chat --address {address} \"Hello\")", flush=True)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_during_startup)
+    names = ["engine"] if len(children) == 1 else ["prefill engine", "decode engine"]
+    for child, name in zip(children, names):
+        threading.Thread(target=watch_engine, args=(child, name), name=f"{name}-watch", daemon=True).start()
+    try:
+        rc = run_frontend_workers(frontend_options, args.frontend_workers, args.log_level,
+                                  args.log_format == "json", on_ready=announce_ready)
+    finally:
+        stopping.set()
+        stop_children(server.drain_timeout + 10)
+    if engine_died.is_set():
+        code = died_code[0] if died_code else 1
+        return rc or (code if code and code > 0 else 1)
+    return rc
+
+
+# -- client commands ------------------------------------------------------------------------------
+
+
+def _print_response(resp, as_json: bool) -> None:
+    if as_json:
+        from google.protobuf import json_format
+
+        print(json_format.MessageToJson(resp))
+        return
+    for c in resp.choices:
+        prefix = f"[{c.index}] " if len(resp.choices) > 1 else ""
+        print(prefix + c.text)
+
+
+def _ready_client(args):
+    """A TandemClient whose server is ready (waiting up to --wait seconds)."""
+    from tandem.client import TandemClient
+
+    client = TandemClient(args.address, security=_security(args))
+    try:
+        client.wait_ready(args.wait)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def cmd_generate(args) -> int:
+    request = options.from_args(ClientArgs, args)
+    with _ready_client(args) as client:
+        if args.stream:
+            for msg in client.stream(args.prompt, **request.sampling_kwargs()):
+                for c in msg.choices:
+                    sys.stdout.write(c.text)
+                sys.stdout.flush()
+            print()
+        else:
+            _print_response(client.generate(args.prompt, **request.sampling_kwargs()), args.json)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    request = options.from_args(ClientArgs, args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    with _ready_client(args) as client:
+        if args.message:
+            messages.append({"role": "user", "content": args.message})
+            _print_response(client.chat(messages, **request.sampling_kwargs()), args.json)
+            return 0
+        while True:  # interactive
+            try:
+                line = input("you> ")
+            except EOFError:
+                return 0
+            messages.append({"role": "user", "content": line})
+            reply = client.chat(messages, **request.sampling_kwargs()).choices[0].text
+            print(f"model> {reply}")
+            messages.append({"role": "assistant", "content": reply})
+
+
+# -- the parser -----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tandem.security import add_security_args
+
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
+                        help="log level; debug also prints tracebacks of errors")
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
+                        help="log lines as JSON records or readable text; auto: console on a terminal, "
+                             "json otherwise")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="engine + frontend together")
+    options.add_engine_flags(serve)
+    options.add_flags(serve, ServerArgs, title="frontend server")
+    options.add_flags(serve, FrontendArgs, {"engine_transport": "mux"}, title="frontend",
+                      skip=("engine", "workers", "engine_connect_timeout", "prefill_engine", "decode_engine"))
+    options.add_flags(serve, ServeArgs, {"frontend_workers": "auto"}, title="engine child and frontend workers")
+    options.add_flags(serve, EngineCoreArgs, title="engine core")
+    options.add_flags(serve, MetricsArgs, title="metrics (the frontend's)")
+    add_security_args(serve, admin=True)  # clients → frontend
+    add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
+    serve.set_defaults(fn=cmd_serve)
+
+    engine = sub.add_parser("engine", help="the engine service alone")
+    options.add_engine_flags(engine)
+    options.add_flags(engine, ServerArgs, ENGINE_SERVER_DEFAULTS, title="engine server")
+    options.add_flags(engine, MetricsArgs, title="metrics")
+    options.add_flags(engine, EngineCoreArgs, title="engine core")
+    add_security_args(engine)
+    engine.set_defaults(fn=cmd_engine)
+    serve.set_defaults(engine_parser=engine)
+
+    front = sub.add_parser("frontend", help="the frontend alone, in front of one or more engines")
+    options.add_flags(front, ServerArgs, title="frontend server")
+    options.add_flags(front, FrontendArgs, title="frontend")
+    options.add_flags(front, MetricsArgs, title="metrics")
+    add_security_args(front, admin=True)  # clients → frontend
+    add_security_args(front, "engine-", server=False, client=True)  # frontend → engines
+    front.set_defaults(fn=cmd_frontend)
+
+    gen = sub.add_parser("generate", help="complete a prompt")
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    options.add_flags(gen, ClientArgs)
+    add_security_args(gen, server=False, client=True)
+    gen.set_defaults(fn=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the served model (interactive without a message)")
+    chat.add_argument("message", nargs="?", help="one message to answer (omit for an interactive chat)")
+    chat.add_argument("--system", default=None, help="system message")
+    options.add_flags(chat, ClientArgs)
+    add_security_args(chat, server=False, client=True)
+    chat.set_defaults(fn=cmd_chat)
+
+    from tandem.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)  # tandem bench roofline|throughput|serve|report
+    options.finish_parser(parser)
+    return parser
+
+
+# -- errors: one line, or one JSON record ---------------------------------------------------------
+
+
+def _report_line(args, message: str, **fields) -> None:
+    """One error line on stderr: plain text, or one JSON record with --log-format json."""
+    command = getattr(args, "command", None) or "tandem"
+    if getattr(args, "log_format", "console") == "json":
+        from datetime import datetime, timezone
+
+        stamp = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+        sys.stderr.write(json.dumps({"event": "error", "level": "error", "timestamp": stamp, "command": command,
+                                     "error": message, **fields}) + "\n")
+    else:
+        sys.stderr.write(f"tandem {command}: error: {message}\n")
+    sys.stderr.flush()
+
+
+def _debug(args) -> bool:
+    return getattr(args, "log_level", "info") == "debug"
+
+
+def _fail(args, exc: BaseException, message: str, code: int, **fields) -> int:
+    if _debug(args):
+        import traceback
+
+        traceback.print_exception(exc)
+    _report_line(args, message, **fields)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = options.parse_args(build_parser(), argv)
+    if args.log_format == "auto":
+        args.log_format = "console" if sys.stderr.isatty() else "json"
+    from tandem.logging_setup import configure_logging
+
+    configure_logging(args.log_level, json=args.log_format == "json")
+    import grpc
+
+    from tandem.readiness import ServerNotReady
+
+    server_command = args.command in ("serve", "engine", "frontend")
+    try:
+        return args.fn(args) or 0
+    except StartupError as exc:
+        return _fail(args, exc, str(exc), 2, flag=exc.flag, value=str(exc.value))
+    except ServerNotReady as exc:
+        return _fail(args, exc, str(exc), 3, address=getattr(args, "address", ""))
+    except grpc.RpcError as exc:
+        code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+        details = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
+        where = getattr(args, "address", "")
+        return _fail(args, exc, f"the server at {where} answered {code}: {details.splitlines()[0] if details else ''}",
+                     4, status=code)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line for the user; the traceback with --log-level debug
+        rc = _fail(args, exc, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", 1)
+        if server_command:
+            # gRPC's asyncio objects complain when collected after their loop closed; the error
+            # has been reported, so leave without that noise.
+            sys.stdout.flush()
+            os._exit(rc)
+        return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

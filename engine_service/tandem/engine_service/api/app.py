@@ -1,0 +1,176 @@
+"""Engine service entry point: start the gRPC server, start the engine core, serve, drain, exit.
+
+The engine core runs in its own process by default (`engine_core="process"`: this process then
+never imports torch) or on a thread of this one (`"thread"`). Health answers from the first
+moment (NOT_SERVING while the model loads), so orchestrators can tell "starting" from "dead".
+A fatal engine error, or the core process dying, turns readiness NOT_SERVING, fails every
+request in flight and makes this process exit non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2
+
+from tandem.engine_service.config import EngineConfig
+from tandem.engine_service.api.core_client import CoreClient
+from tandem.engine_service.api.metrics import EngineMetrics
+from tandem.engine_service.api.server import SERVICE_NAME, EngineServicer
+from tandem.generation_defaults import load_generation_defaults
+from tandem.grpc_service import add_service, enable_reflection
+from tandem.health import add_health
+from tandem.metrics import new_registry, start_metrics_endpoint
+from tandem.protocol import Limits
+from tandem.security import SecurityOptions, add_port
+from tandem.v1 import engine_pb2
+
+log = structlog.get_logger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class EngineServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50052
+    default_max_tokens: int = 256
+    drain_timeout: float = 30.0
+    security: SecurityOptions = field(default_factory=SecurityOptions)  # TLS/mTLS and token
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
+    reflection: bool = False  # serve grpc.reflection
+    fail_after_steps: int | None = None  # testing only: inject a fatal engine error
+    engine_core: str = "process"  # "process": the core in its own process; "thread": in this one
+    log_level: str = "info"  # passed on to the core process
+    log_format: str = "json"
+
+
+ENGINE_CORE_MODES = ("process", "thread")
+
+
+async def start_core(config: EngineConfig, options: EngineServerOptions) -> CoreClient:
+    """Loads the model in a core process (or on a thread here) and returns its client."""
+    if options.engine_core == "process":
+        from tandem.engine_service.api.mp_client import MultiprocessCoreClient
+
+        return await MultiprocessCoreClient.launch(config, options.fail_after_steps, options.log_level,
+                                                   options.log_format)
+    if options.engine_core != "thread":
+        raise ValueError(f"engine_core must be one of {ENGINE_CORE_MODES}, got {options.engine_core!r}")
+    from tandem.engine_service.api.inproc_client import InProcessCoreClient
+    from tandem.engine_service.core.warmup import serving_engine
+
+    engine = await asyncio.get_running_loop().run_in_executor(None, serving_engine, config)
+    return InProcessCoreClient(engine, options.fail_after_steps)
+
+
+async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready: asyncio.Event | None = None) -> int:
+    """Runs until SIGTERM/SIGINT (exit code 0) or a fatal engine error (exit code 1)."""
+    server = grpc.aio.server(
+        interceptors=options.security.server_interceptors(),
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    health = await add_health(server, SERVICE_NAME)
+    servicer = EngineServicer()
+    add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Engine"])
+    if options.reflection:
+        enable_reflection(server, [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name])
+    bound = add_port(server, f"{options.host}:{options.port}", options.security)
+    if bound == 0:
+        raise RuntimeError(f"cannot bind {options.host}:{options.port}")
+    await server.start()
+    log.info("engine_listening", address=f"{options.host}:{bound}", model=config.model.model,
+             **options.security.summary("server"))
+    options.security.warn_if_weak("server", options.host)
+    # Served from before the model loads (process metrics only until then), so a scrape tells
+    # "loading" from "down".
+    registry = new_registry()
+    metrics_endpoint = (
+        start_metrics_endpoint(registry, options.metrics_host, options.metrics_port)
+        if options.metrics_port is not None else None
+    )
+
+    loop = asyncio.get_running_loop()
+    try:
+        core = await start_core(config, options)
+    except Exception as exc:
+        log.error("engine_core_failed_to_start", error=str(exc))
+        await server.stop(grace=0)
+        if metrics_endpoint is not None:
+            metrics_endpoint.close()
+        return 1
+    fatal = asyncio.Event()
+    stop = asyncio.Event()
+    core.on_fatal = lambda message: fatal.set()  # called on the event loop
+    EngineMetrics(core, config.model.model, registry)  # before start: it adds a step listener
+    core.start(loop)
+    info = core.info
+    defaults = load_generation_defaults(config.model.generation_config, config.model.model, info.model_path)
+    limits = Limits(
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        default_max_tokens=defaults.max_tokens or options.default_max_tokens,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+        sampling_defaults=defaults,
+    )
+    effective = defaults.effective(limits.default_max_tokens)
+    servicer.attach(core, limits, {**info.model_info(), "sampling_defaults": effective})
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    log.info("engine_ready", kv_blocks=info.kv_blocks, max_model_len=info.max_model_len,
+             engine_core=options.engine_core, sampling_defaults=effective)
+    if ready is not None:
+        ready.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(fatal.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
+
+    if fatal.is_set():
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.sleep(0.2)  # let the failed requests' handlers send their status first
+        await health.enter_graceful_shutdown()
+        await server.stop(grace=1.0)
+        core.stop()
+        log.error("engine_exiting_after_fatal_error", error=core.fatal_error)
+        if metrics_endpoint is not None:
+            metrics_endpoint.close()
+        return 1
+    # Drain: refuse new work, let in-flight requests finish within the timeout.
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    core.accepting = False
+    deadline = loop.time() + options.drain_timeout
+    while core.num_in_flight and loop.time() < deadline and not fatal.is_set():
+        await asyncio.sleep(0.05)
+    for request_id in core.in_flight_ids():
+        core.abort(request_id)
+    await health.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    core.stop()
+    if metrics_endpoint is not None:
+        metrics_endpoint.close()
+    log.info("engine_stopped")
+    return 0
+
+
+def run_engine(config: EngineConfig, options: EngineServerOptions) -> int:
+    torch_threads = os.environ.get("TANDEM_TORCH_THREADS")
+    if torch_threads and options.engine_core == "thread":  # the core process reads it itself
+        import torch
+
+        torch.set_num_threads(int(torch_threads))
+    return asyncio.run(serve_engine(config, options))

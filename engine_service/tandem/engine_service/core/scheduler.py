@@ -1,0 +1,392 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Unified chunked prefill (as in vLLM v1): there are no prefill and decode phases. Each step has
+a token budget; every scheduled sequence gets `min(tokens it still has to compute, budget
+left)`. A sequence in the middle of its prompt and a sequence decoding its next token differ
+only in that count. Running sequences go first (in arrival order), then waiting ones (FIFO).
+
+Fairness under long prompts: one sequence's prompt chunk is capped per step
+(`SchedulerConfig.max_prefill_tokens_per_seq`), so a long prompt is spread over several steps
+and a request that arrives meanwhile is admitted in the next step instead of after the whole
+prompt; a step stays small enough that the newcomer's first token is one short step away. A
+prompt chunk also leaves one token of the budget for every running decode after it, so decodes
+are never starved by prefill.
+
+State checkpoints (hybrid models with prefix caching): after the fair-prefill cap and the
+decode reserve have sized a prompt chunk, the block manager may shorten it to end on the last
+checkpoint position it reaches (`BlockManager.checkpoint_chunk`), so the recurrent state there
+can be saved; a chunk is only ever shortened, never grown.
+
+One step, as driven by the engine:
+
+    out = scheduler.schedule()
+    worker.launch(plan_builder.build(out).plan)   # the worker runs it from its own rows
+    scheduler.begin_step(out)                # the step's tokens count as computed
+    for each sampled seq: seq.mark_pending(row)    # sampled on the device
+    ... later: seq.confirm_token(t); check_stop(seq)   # read back; may call seq.finish()
+    scheduler.end_step(out)                  # cache full blocks, drop finished
+
+With overlapped scheduling the next step is scheduled and launched between `begin_step` and
+`end_step`: a decode sequence's pending token counts as its one uncomputed token, and its input
+is read on the device. A sequence whose pending token already reaches its length limit is not
+scheduled again (it ends at `end_step`); one that ends by a stop token costs one extra token of
+compute, whose result is dropped. `update(out)` is `begin_step` + `end_step`, for callers that
+append tokens synchronously.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import structlog
+
+from tandem.core_protocol import SchedulerReason, SchedulerStop
+from tandem.engine_service.config import SchedulerConfig
+from tandem.engine_service.cache.block_manager import BlockManager
+from tandem.engine_service.sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from tandem.engine_service.kv_connector.metadata import KVLoadReport
+    from tandem.engine_service.kv_connector.scheduler_side import KVConnectorScheduler
+
+log = structlog.get_logger(__name__)
+
+# stop_reasons of sequences the scheduler itself ends with FinishReason.ERROR.
+KV_CACHE_TOO_SMALL = SchedulerStop(SchedulerReason.KV_CACHE_TOO_SMALL)
+EXCEEDS_MAX_MODEL_LEN = SchedulerStop(SchedulerReason.EXCEEDS_MAX_MODEL_LEN)
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: `num_new_tokens` tokens starting at its computed count."""
+
+    seq: Sequence
+    num_new_tokens: int
+    # True when this chunk reaches the end of the sequence's tokens: its last logit yields the
+    # next token. False for all but the last chunk of a chunked prompt.
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (ERROR)
+    # State slot -> slot copies (src, dst): checkpoint restores of admitted prefix hits, run
+    # before the forward, and checkpoint saves of chunks ending on a checkpoint, run after it.
+    state_copies_before: list[tuple[int, int]] = field(default_factory=list)
+    state_copies_after: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Scheduler:
+    """Decides each step's batch under a token budget, a sequence cap and the KV block pool.
+
+    When blocks run out for a running sequence, the most recently arrived running sequence not
+    yet scheduled this step is preempted by recompute: its blocks are freed and it returns to
+    the front of the waiting queue (its written full blocks stay in the prefix cache, so a
+    recompute often gets most of them back). No new sequence is admitted in a step that had to
+    preempt: memory is tight, and admitting would only cause more preemptions.
+
+    Prefix hits at admission: `BlockManager.match_prefix` gives the cached token count first,
+    the chunk size is computed from what remains, and `BlockManager.allocate` then takes the
+    same hits and blocks for exactly that chunk.
+
+    Remote KV (a `kv_connector` on a consumer engine): a waiting request whose KV comes from a
+    producer is admitted by the connector instead (its blocks allocated, its load queued) and
+    moves to `loading` (status LOADING_KV): it holds its blocks and a sequence slot but is never
+    scheduled until `loads_done` reports its load — then its computed count jumps by the loaded
+    tokens and it runs like any request; a failed load ends it with ERROR (kv_transfer_failed).
+
+    `running` and `waiting` are exposed for inspection; callers must not mutate them.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+        device_type: str = "cuda", kv_connector: KVConnectorScheduler | None = None,
+    ) -> None:
+        config.validate()
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            # A whole prompt (or a preempted sequence's prompt and output) must fit in one step.
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_model_len})"
+            )
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        # Per-sequence prompt tokens of one step (0: none); only chunked prefill can split prompts.
+        self.prefill_cap = config.prefill_cap(device_type) if config.enable_chunked_prefill else 0
+        # Chunks end on state checkpoint positions (only chunked prefill may split a prompt).
+        self.cut_at_checkpoints = block_manager.checkpoints is not None and config.enable_chunked_prefill
+        # Both stay sorted by arrival: admission is FIFO and preempted sequences (always the
+        # latest running ones) go back to the front of `waiting`.
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self.kv_connector = kv_connector
+        # Requests holding blocks while their KV is loaded from a producer (admission order).
+        self.loading: dict[str, Sequence] = {}
+        self._failed_loads: list[tuple[Sequence, str]] = []
+
+    # -- requests ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._requests:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._requests[seq.request_id] = seq
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """End a waiting or running sequence, freeing its blocks. None if unknown or done."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.LOADING_KV:
+            del self.loading[request_id]
+            assert self.kv_connector is not None
+            self.kv_connector.cancel_load(request_id)  # before the blocks may go to anyone else
+        else:  # running, or finished by the engine in a step not yet passed to update()
+            self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(FinishReason.ABORT)
+        return seq
+
+    # -- introspection -----------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Tokens the waiting sequences still have to compute (for bounding the queue)."""
+        return sum(seq.num_uncomputed_tokens for seq in self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.loading or self._failed_loads)
+
+    def loads_done(self, report: KVLoadReport) -> None:
+        """The worker's KV load report: loaded requests join `running` with their computed count
+        advanced; failed ones end with ERROR in the next `schedule`."""
+        if self.kv_connector is None or not report:
+            return
+        finished, failed = self.kv_connector.loads_done(report)
+        for spec in finished:
+            seq = self.loading.pop(spec.request_id)
+            self.kv_connector.load_finished(seq, spec.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        for rid, why in failed.items():
+            self._failed_loads.append((self.loading.pop(rid), why))
+
+    # -- the step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        for seq, why in self._failed_loads:
+            self._finish_error(out, seq, SchedulerStop(SchedulerReason.KV_TRANSFER_FAILED, why))
+        self._failed_loads.clear()
+        budget = self.config.max_num_batched_tokens
+        budget, num_ending = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget, num_ending)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        if self.block_manager.checkpoints is not None:
+            out.state_copies_before, out.state_copies_after = self.block_manager.pop_state_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
+        """Schedules running sequences; returns the budget left and how many running sequences
+        end with their pending token (counted over all of them whenever budget is left)."""
+        i = num_ending = 0
+        # Decodes not yet passed keep one token each of the budget from earlier prefill chunks.
+        reserved = self._count_decodes()
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            is_decode = seq.num_uncomputed_tokens == 1
+            reserved -= is_decode
+            num_new = self._chunk_size(seq.num_uncomputed_tokens, budget, reserved)
+            if num_new > 1 and self.cut_at_checkpoints:
+                num_new = self.block_manager.checkpoint_chunk(seq, seq.num_computed_tokens, num_new)
+            ending = seq.num_pending_tokens > 0 and seq.reached_length_limit(self.max_model_len)
+            if num_new == 0 or ending:
+                # An ending sequence needs no further step; it leaves `running` when its pending
+                # token is confirmed (overlapped scheduling).
+                num_ending += ending
+                i += 1
+                continue
+            while not self.block_manager.allocate(seq, num_new):
+                if len(self.running) == 1:
+                    # Alone in the pool and still short of blocks: it can never fit.
+                    self.running.pop()
+                    self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
+                    break
+                # Everything after index i is unscheduled and arrived later than `seq`.
+                # A preempted decode keeps its reserved token: the reserve may leave a few tokens
+                # unused in a step that preempts (which admits nothing anyway).
+                victim = self.running.pop()
+                self._preempt(out, victim)
+                if victim is seq:
+                    break
+            else:
+                self._add_scheduled(out, seq, num_new)
+                budget -= num_new
+                i += 1
+        return budget, num_ending
+
+    def _count_decodes(self) -> int:
+        """Running sequences with exactly one token to compute (decodes)."""
+        return sum(1 for seq in self.running if seq.num_uncomputed_tokens == 1)
+
+    def _chunk_size(self, num_todo: int, budget: int, reserved: int) -> int:
+        """Tokens a sequence with `num_todo` tokens to compute gets this step.
+
+        A decode (one token) gets it whenever budget is left. A prompt chunk is at most
+        `prefill_cap` tokens (with chunked prefill; 0: no cap) and leaves `reserved`
+        tokens for the running decodes scheduled after it, so prefill never starves a decode.
+        """
+        if num_todo <= 1:
+            return min(num_todo, budget)
+        num_new = min(num_todo, budget - reserved)
+        if self.prefill_cap:
+            num_new = min(num_new, self.prefill_cap)
+        return max(num_new, 0)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, num_ending: int) -> None:
+        bm = self.block_manager
+        # Sequences about to end by length give up their slot now, as they would have without
+        # overlap (`running` may exceed max_num_seqs until their tokens are confirmed).
+        free_slots = self.config.max_num_seqs - len(self.running) - len(self.loading) + num_ending
+        while self.waiting and budget > 0 and free_slots > 0:
+            seq = self.waiting[0]
+            if seq.num_tokens > self.max_model_len:
+                self.waiting.popleft()
+                self._finish_error(out, seq, EXCEEDS_MAX_MODEL_LEN)
+                continue
+            if self.kv_connector is not None and self.kv_connector.needs_load(seq):
+                if not self._admit_load(out, seq):
+                    break  # FIFO: nobody overtakes the head of the queue
+                free_slots -= 1
+                continue
+            # match_prefix and allocate agree: nothing touches the cache in between.
+            num_hit = bm.match_prefix(seq)
+            num_todo = seq.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_todo > budget:
+                break
+            num_new = self._chunk_size(num_todo, budget, 0)
+            if num_new > 1 and self.cut_at_checkpoints:
+                num_new = bm.checkpoint_chunk(seq, num_hit, num_new)
+            if not bm.allocate(seq, num_new):
+                if not self.running:
+                    # The whole pool is free or evictable and this still does not fit.
+                    self.waiting.popleft()
+                    self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
+                    continue
+                break  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_scheduled(out, seq, num_new)
+            budget -= num_new
+            free_slots -= 1
+
+    def _admit_load(self, out: SchedulerOutput, seq: Sequence) -> bool:
+        """Admit the head of `waiting` for a remote KV load; False when it must wait for blocks."""
+        from tandem.engine_service.kv_connector.scheduler_side import LoadRefused
+
+        assert self.kv_connector is not None
+        try:
+            admitted = self.kv_connector.admit_load(seq)
+        except LoadRefused as exc:
+            self.waiting.popleft()
+            self._finish_error(out, seq, SchedulerStop(SchedulerReason.KV_TRANSFER_FAILED, str(exc)))
+            return True
+        if not admitted:
+            if not self.running and not self.loading:
+                self.waiting.popleft()
+                self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
+                return True
+            return False
+        self.waiting.popleft()
+        seq.status = SequenceStatus.LOADING_KV
+        self.loading[seq.request_id] = seq
+        return True
+
+    @staticmethod
+    def _add_scheduled(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        sample = seq.num_computed_tokens + num_new == seq.num_tokens
+        out.scheduled.append(ScheduledSeq(seq, num_new, sample))
+
+    def _preempt(self, out: SchedulerOutput, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        log.debug("preempted", request_id=seq.request_id, num_tokens=seq.num_tokens)
+
+    def _finish_error(self, out: SchedulerOutput, seq: Sequence, reason: SchedulerStop) -> None:
+        self.block_manager.free(seq)
+        seq.finish(FinishReason.ERROR, reason)
+        self._requests.pop(seq.request_id, None)
+        out.finished.append(seq)
+        log.warning(
+            "request_cannot_run", request_id=seq.request_id, reason=reason.reason.value, num_tokens=seq.num_tokens
+        )
+
+    def begin_step(self, output: SchedulerOutput) -> None:
+        """The step was launched: its new tokens count as computed (the device writes their K/V
+        before any later step reads them)."""
+        for item in output.scheduled:
+            if self._requests.get(item.seq.request_id) is item.seq:  # not aborted meanwhile
+                item.seq.num_computed_tokens += item.num_new_tokens
+
+    def end_step(self, output: SchedulerOutput) -> None:
+        """The step's sampled tokens were read back, appended and stop-checked: cache newly full
+        blocks, release finished sequences."""
+        bm = self.block_manager
+        for item in output.scheduled:
+            seq = item.seq
+            if self._requests.get(seq.request_id) is not seq:
+                continue  # aborted or ended meanwhile; its blocks are already free
+            bm.commit(seq)
+            if item.sample and not seq.is_finished and seq.num_uncomputed_tokens == 0:
+                raise RuntimeError(
+                    f"sequence {seq.request_id} was sampled but no token was appended or marked pending"
+                )
+        if any(seq.is_finished for seq in self.running):
+            still_running = []
+            for seq in self.running:
+                if seq.is_finished:
+                    bm.free(seq)
+                    self._requests.pop(seq.request_id, None)
+                else:
+                    still_running.append(seq)
+            self.running = still_running
+        for item in output.scheduled:
+            # Preempted while its token was pending, and that token ended it: it waits no more.
+            seq = item.seq
+            if seq.is_finished and self._requests.get(seq.request_id) is seq:
+                self.waiting.remove(seq)
+                bm.free(seq)
+                self._requests.pop(seq.request_id)
+
+    def update(self, output: SchedulerOutput) -> None:
+        """`begin_step` + `end_step`: the engine has already appended tokens and checked stops."""
+        self.begin_step(output)
+        self.end_step(output)

@@ -1,0 +1,191 @@
+"""Owns the model and its KV cache on one device, and runs one scheduled step at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+import structlog
+import torch
+
+from tandem.engine_service.config import EngineConfig
+from tandem.engine_service.worker.cuda_graphs import DecodeCudaGraphs, capture_sizes
+from tandem.engine_service.worker.input_batch import (
+    HostInputs,
+    PinnedStaging,
+    ScheduledLike,
+    host_to_device,
+    prepare_host_inputs,
+)
+from tandem.engine_service.worker.loader import build_model, read_eos_token_ids, resolve_model
+from tandem.engine_service.cache.cache_spec import CacheLayout
+from tandem.engine_service.cache.cache_tensors import CacheTensors, allocate_cache_tensors
+from tandem.engine_service.cache.memory_plan import MemoryPlan, estimate_activation_bytes, plan_cache, torch_dtype_name
+from tandem.engine_service.worker.state_copies import check_copies, copy_state_slots
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu; anything else as torch spells it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` -> bfloat16 on GPU, float32 on CPU (CPU half-precision matmuls are slow)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the paged KV cache, and executes scheduled batches.
+
+    `forward` turns a step's host inputs (built from the worker's rows) into float32 logits for
+    the entries that sample; the runner holds no per-request state (the worker's rows do).
+
+    The model declares its caches per layer group (`cache_layout`); the planner sizes each
+    group (`memory_plan`, logged one line per group) and every group's tensors are allocated
+    here (`cache_tensors`; `kv_caches` is the per-layer attention cache list the model reads).
+    Each paged group holds `num_blocks + 1` blocks per layer: the block manager is given
+    `num_blocks`, and the last one (`scratch_block`) is where the dummy rows of a padded
+    CUDA-graph batch write. On CUDA, step inputs travel through pinned buffers without a host
+    sync, and pure-decode steps replay captured CUDA graphs (unless `enforce_eager`, or the
+    attention backend cannot be captured).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        mc, cc = config.model, config.cache
+        self.device = resolve_device(mc.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        resolved = resolve_model(mc.model, mc.cache_dir)
+        self.model_path: str | None = resolved.path
+        self.is_dummy = resolved.is_dummy
+        self.model = build_model(
+            resolved, self.device, self.dtype, seed=mc.seed, attention_backend=mc.attention_backend
+        )
+        self.attention_backend: str = self.model.attn_backend.name
+        arch = self.model.config
+        self.architecture = type(self.model).__name__
+        # False for models whose state a prefix hit cannot restore (hybrid models, for now).
+        self.supports_prefix_caching: bool = getattr(self.model, "supports_prefix_caching", True)
+        self.arch_config = arch
+        self.vocab_size = arch.vocab_size
+        self.eos_token_ids = read_eos_token_ids(resolved)
+        self.max_model_len = mc.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{arch.max_position_embeddings}"
+            )
+
+        reserved = 0
+        if self.device.type == "cuda":
+            sc = config.scheduler
+            reserved = estimate_activation_bytes(
+                arch.hidden_size, arch.intermediate_size, arch.num_attention_heads, arch.head_dim,
+                arch.vocab_size, sc.max_num_batched_tokens, sc.max_num_seqs, self.dtype,
+            )
+        sc = config.scheduler
+        self.cache_layout: CacheLayout = self.model.cache_layout(torch_dtype_name(self.dtype))
+        self.memory_plan: MemoryPlan = plan_cache(
+            self.cache_layout, cc, self.device, max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=self.max_model_len,
+            reserved_bytes=reserved,
+        )
+        self.block_size = cc.block_size
+        self.num_blocks = self.memory_plan.num_blocks
+        if self.memory_plan.paged_groups[0].sliding_window is None and self.num_blocks * self.block_size < self.max_model_len:
+            log.warning(
+                "kv cache smaller than one full-length sequence",
+                cache_tokens=self.num_blocks * self.block_size, max_model_len=self.max_model_len,
+            )
+        self.scratch_block = self.num_blocks  # one block past the pool the block manager sees
+        self.cache_tensors: CacheTensors = allocate_cache_tensors(
+            self.cache_layout, self.memory_plan, arch.num_hidden_layers, self.device
+        )
+        self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
+        self.cuda_graphs: DecodeCudaGraphs | None = None
+        if self.device.type == "cuda" and not mc.enforce_eager:
+            self._capture_cuda_graphs(config)
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor | None]:
+        """Per layer, the attention cache it reads (the model's `kv_caches` argument)."""
+        return self.cache_tensors.kv_caches
+
+    @property
+    def layer_caches(self) -> list:
+        """Per layer, what the model reads: its attention cache, or its state pools (a tuple)."""
+        tensors = self.cache_tensors
+        return tensors.kv_caches if not tensors.state else tensors.layer_caches()
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list[torch.Tensor | None]) -> None:
+        # Replaced, not copied: whoever swaps the caches (the throughput bench's HF peer) frees
+        # the old tensors.
+        self.cache_tensors.kv_caches = caches
+
+    def _capture_cuda_graphs(self, config: EngineConfig) -> None:
+        if not self.model.attn_backend.supports_cuda_graphs:
+            log.info("cuda graphs off: the attention backend cannot be captured", backend=self.attention_backend)
+            return
+        windows = [g.sliding_window for g in self.memory_plan.paged_groups]
+        graphs = DecodeCudaGraphs(
+            self.model, self.layer_caches,
+            sizes=capture_sizes(config.scheduler.max_num_seqs),
+            block_size=self.block_size,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            scratch_block=self.scratch_block,
+            num_kv_heads=self.arch_config.num_key_value_heads,
+            device=self.device,
+            # Bounds the split count when every layer is windowed (the widest window decides).
+            sliding_window=None if None in windows else max(windows),
+            # Each further paged group pads into its own scratch block, one past its pool.
+            extra_scratch_blocks=[g.num_blocks for g in self.memory_plan.paged_groups[1:]],
+            # Padded rows of a model with state groups write their state in the slot past the
+            # request and checkpoint slots.
+            scratch_state_slot=self.memory_plan.scratch_state_slot,
+        )
+        try:
+            graphs.capture()
+        except Exception:  # a capture failure costs speed, not correctness: run eagerly, loudly
+            log.exception("cuda graph capture failed; decode runs eagerly")
+            return
+        self.cuda_graphs = graphs
+
+    @torch.inference_mode()
+    def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy state slot src -> dst for each pair, in every state group's layer tensors (state
+        checkpoints: restore before a step's forward, save after it). Queued; nothing waits."""
+        tensors = [t for layers in self.cache_tensors.state.values() for ts in layers.values() for t in ts]
+        if not tensors:
+            raise RuntimeError("state copies planned for a model without state groups")
+        check_copies(pairs, tensors[0].shape[0])
+        copy_state_slots(tensors, pairs)
+
+    @torch.inference_mode()
+    def forward(self, host: HostInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a step's host inputs; float32 logits `[num_sampling, vocab]` in batch order.
+
+        Returns without waiting for the device. Pending input tokens (overlapped scheduling)
+        are read on the device from `previous_tokens`, the prior step's sampled tokens. The
+        engine builds `host` from the worker's rows (`worker.StepWorker`)."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(host):
+            return self.cuda_graphs.run(host, self._staging, previous_tokens)
+        inputs = host_to_device(host, self.device, self._staging, previous_tokens)
+        md = inputs.metadata
+        hidden = self.model(inputs.input_ids, md.positions, self.layer_caches, md)
+        return self.model.compute_logits(hidden.index_select(0, md.logits_indices)).float()
+
+    def execute(
+        self, batch: SequenceOf[ScheduledLike], previous_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`forward` of a hand-built, Sequence-shaped batch (tests and tools); the engine never
+        calls it — it drives the runner through step plans and the worker's rows."""
+        return self.forward(prepare_host_inputs(batch, self.block_size), previous_tokens)
