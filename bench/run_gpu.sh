@@ -9,7 +9,8 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
+# The carried wheels, then each distribution's source root (namespace package `tandem`, PEP 420).
+export PYTHONPATH=/tmp/site:$PWD/protos:$PWD/common:$PWD/frontend:$PWD/kernels:$PWD/engine_service:$PWD/tools
 python3 -c "import msgspec, zmq, structlog" || { echo "a wheel is missing from .whl: run bench/prep_wheels.sh on the dev machine"; exit 1; }
 PY="python3 -P"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
