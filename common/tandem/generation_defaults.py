@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tandem.sampling_ranges import SAMPLING_RANGES
 from tandem.v1 import common_pb2
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -84,16 +85,10 @@ class GenerationDefaults:
 
 
 def _check(name: str, value, source: str):
-    ok = {
-        "temperature": lambda v: v >= 0,
-        "top_p": lambda v: 0 < v <= 1,
-        "top_k": lambda v: v >= -1,
-        "min_p": lambda v: 0 <= v <= 1,
-        "repetition_penalty": lambda v: v > 0,
-        "max_tokens": lambda v: v >= 1,
-    }[name]
+    """`value` as its request field's type, if a request could send it (the ranges of
+    `tandem.sampling_ranges`, the same the wire validation uses)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+            isinstance(value, float) and not math.isfinite(value)) or not SAMPLING_RANGES[name].contains(value):
         raise GenerationConfigError(f"{source}: invalid {name} {value!r}")
     if name in ("top_k", "max_tokens"):
         if value != int(value):

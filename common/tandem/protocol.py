@@ -9,30 +9,27 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import dataclass
 
 from google.protobuf import json_format, struct_pb2
 
 from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
+from tandem.sampling_ranges import (  # noqa: F401 - the bounds are re-exported for callers of this module
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MIN_REPETITION_PENALTY,
+    SAMPLING_RANGES,
+)
 from tandem.v1 import common_pb2
 
-MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_SEQUENCES = 64
 MAX_STOP_SEQUENCE_LEN = 64
-# Choices per request (`n`). With a seed, choice i samples with seed + i.
-MAX_CHOICES = 16
-# The largest seed: choice i of n <= MAX_CHOICES uses seed + i, which must still fit the wire's
-# int64, so the range stops MAX_CHOICES short of 2**63 (seed + 15 <= 2**63 - 1).
-MAX_SEED = 2**63 - MAX_CHOICES
 # Temperatures below this are greedy: dividing logits by a smaller number overflows float32
 # (1e-38 makes every logit inf, softmax NaN, and the sampler then picks token 0 forever).
 TEMPERATURE_EPSILON = 1e-5
-# repetition_penalty divides positive logits and multiplies negative ones; outside this range
-# the products overflow or lose every token's ordering, so it is refused.
-MIN_REPETITION_PENALTY = 0.01
-MAX_REPETITION_PENALTY = 100.0
 
 
 class InvalidRequest(ValueError):
@@ -56,13 +53,20 @@ class Limits:
     sampling_defaults: object | None = None
 
 
-def _f32(value: float) -> float:
-    return struct.unpack("f", struct.pack("f", value))[0]
-
-
 def _finite(field: str, value: float) -> float:
     if math.isnan(value) or math.isinf(value):
         raise InvalidRequest(field, "must be a finite number")
+    return value
+
+
+def _ranged(field: str, value, float32: bool = False):
+    """`value` if it lies in the field's range (`tandem.sampling_ranges`); float fields are
+    float32 on the wire and checked as such."""
+    if float32:
+        value = _finite(field, value)
+    rng = SAMPLING_RANGES[field]
+    if not rng.contains(value, float32):
+        raise InvalidRequest(field, rng.text)
     return value
 
 
@@ -91,8 +95,7 @@ def sampling_from_proto(
             f"{num_prompt_tokens} tokens leave no room in the context of {limits.max_model_len}",
         )
     if msg.HasField("max_tokens"):
-        if msg.max_tokens < 1:
-            raise InvalidRequest("max_tokens", "must be >= 1")
+        _ranged("max_tokens", msg.max_tokens)
         if msg.max_tokens > room:
             raise InvalidRequest(
                 "max_tokens",
@@ -109,48 +112,27 @@ def sampling_from_proto(
             f"capacity of this engine ({limits.kv_capacity_tokens} tokens)",
         )
     if msg.HasField("temperature"):
-        p.temperature = _finite("temperature", msg.temperature)
-        if p.temperature < 0:
-            raise InvalidRequest("temperature", "must be >= 0")
+        p.temperature = _ranged("temperature", msg.temperature, float32=True)
         if p.temperature < TEMPERATURE_EPSILON:
             p.temperature = 0.0  # greedy, as the arithmetic would be without overflowing
     if msg.HasField("top_p"):
-        p.top_p = _finite("top_p", msg.top_p)
-        if not 0 < p.top_p <= 1:
-            raise InvalidRequest("top_p", "must be in (0, 1]")
+        p.top_p = _ranged("top_p", msg.top_p, float32=True)
     if msg.HasField("top_k"):
-        if msg.top_k < -1:
-            raise InvalidRequest("top_k", "must be -1, 0 (off) or a positive count")
-        p.top_k = max(msg.top_k, 0)
+        p.top_k = max(_ranged("top_k", msg.top_k), 0)
     if msg.HasField("min_p"):
-        p.min_p = _finite("min_p", msg.min_p)
-        if not 0 <= p.min_p <= 1:
-            raise InvalidRequest("min_p", "must be in [0, 1]")
+        p.min_p = _ranged("min_p", msg.min_p, float32=True)
     if msg.HasField("seed"):
-        if not 0 <= msg.seed <= MAX_SEED:
-            raise InvalidRequest("seed", f"must be in [0, {MAX_SEED}] (2^63 - {MAX_CHOICES})")
-        p.seed = msg.seed
+        p.seed = _ranged("seed", msg.seed)
     if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} entries")
     p.stop_token_ids = [_token_id("stop_token_ids", t, limits.vocab_size) for t in msg.stop_token_ids]
     if msg.HasField("ignore_eos"):
         p.ignore_eos = msg.ignore_eos
     if msg.HasField("logprobs"):
-        if not 0 <= msg.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
-        p.logprobs = msg.logprobs
-    if msg.HasField("repetition_penalty"):
-        p.repetition_penalty = _finite("repetition_penalty", msg.repetition_penalty)
-        # The wire carries float32: compare with the bounds as float32 (0.01 arrives as 0.0099999998).
-        if not _f32(MIN_REPETITION_PENALTY) <= p.repetition_penalty <= _f32(MAX_REPETITION_PENALTY):
-            raise InvalidRequest("repetition_penalty",
-                                 f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]")
-    for name in ("presence_penalty", "frequency_penalty"):
+        p.logprobs = _ranged("logprobs", msg.logprobs)
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
         if msg.HasField(name):
-            value = _finite(name, getattr(msg, name))
-            if not -2 <= value <= 2:
-                raise InvalidRequest(name, "must be in [-2, 2]")
-            setattr(p, name, value)
+            setattr(p, name, _ranged(name, getattr(msg, name), float32=True))
     if msg.HasField("min_tokens"):
         if not 0 <= msg.min_tokens <= p.max_tokens:
             raise InvalidRequest("min_tokens", "must be in [0, max_tokens]")

@@ -14,7 +14,7 @@ from tandem.generation_defaults import (
     load_generation_defaults,
     read_generation_config,
 )
-from tandem.protocol import Limits, sampling_from_proto
+from tandem.protocol import InvalidRequest, Limits, sampling_from_proto
 from tandem.v1 import common_pb2
 
 
@@ -83,6 +83,22 @@ def test_none_path_and_auto_sources(tmp_path):
 def test_invalid_values_are_refused_at_load(tmp_path, fields, needle):
     with pytest.raises(GenerationConfigError, match=needle):
         read_generation_config(_model_dir(tmp_path, **fields))
+
+
+@pytest.mark.parametrize("penalty", [0.001, 0.0099, 100.5, 1000.0])
+def test_repetition_penalty_outside_the_request_range_is_refused_at_load(tmp_path, penalty):
+    """The defaults and the wire share one range table: a default the wire would refuse (it
+    accepted any positive value once) cannot load, so filling it never fails a request."""
+    with pytest.raises(GenerationConfigError, match=f"invalid repetition_penalty {penalty}"):
+        read_generation_config(_model_dir(tmp_path, repetition_penalty=penalty))
+    with pytest.raises(InvalidRequest, match="repetition_penalty"):
+        sampling_from_proto(common_pb2.SamplingParams(repetition_penalty=penalty), _limits(None), 5)
+
+
+@pytest.mark.parametrize("penalty", [0.01, 100.0])
+def test_repetition_penalty_bounds_load_and_pass_the_wire_check(tmp_path, penalty):
+    d = read_generation_config(_model_dir(tmp_path, repetition_penalty=penalty))
+    assert sampling_from_proto(common_pb2.SamplingParams(), _limits(d), 5).repetition_penalty == pytest.approx(penalty)
 
 
 def test_unreadable_file_names_the_path(tmp_path):
