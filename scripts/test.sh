@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 export TRITON_INTERPRET=1
 # Converted models are cached inside the checkout so a fresh clone converts once per run.
 export TANDEM_CACHE_DIR="${TANDEM_CACHE_DIR:-$PWD/.cache/models}"
+# The layer contracts (pyproject.toml [tool.importlinter]): the frontend imports neither torch nor
+# the engine, the engine's rooms import only downwards.
+.venv/bin/lint-imports --no-cache
 exec .venv/bin/pytest -q "$@"
