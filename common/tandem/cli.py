@@ -94,6 +94,10 @@ def _check_engine_flags(args) -> None:
 
     startup_checks.check_model(args.model)
     startup_checks.check_generation_config(args.generation_config)
+    try:
+        _engine_config(args)  # the configs validate themselves as they are built
+    except ValueError as exc:
+        raise StartupError("engine flags", None, str(exc)) from None
 
 
 def cmd_engine(args) -> int:

@@ -62,6 +62,22 @@ def test_pem_files(tmp_path):
         startup_checks.check_pem_files(Args())
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+    (["--block-size", "24"], "block_size must be a power of two"),
+    (["--kv-lease-seconds", "0"], "kv lease seconds must be > 0"),
+])
+def test_invalid_engine_config_is_a_startup_error(argv, message):
+    """The engine's configs validate themselves when the CLI builds them, so a bad value is a
+    start-up error (one line, exit 2), not a failure of the engine core after it loaded the model."""
+    from tandem import cli, options
+
+    args = options.parse_args(cli.build_parser(), ["engine", "--model", "dummy:tiny-qwen3", *argv], environ={})
+    with pytest.raises(StartupError) as exc:
+        cli._check_engine_flags(args)
+    assert str(exc.value) == message
+
+
 def test_unreachable_engine_names_the_flag():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

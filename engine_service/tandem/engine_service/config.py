@@ -6,6 +6,11 @@ the argparse flags, `TANDEM_*` environment variables and `--config` file keys of
 `tandem engine` and `tandem bench`, so a default or a help line is written once, here.
 Metadata keys: `help`; `flag` (flag name without dashes); `choices`; `negate` (a bool that
 defaults to True and is switched off by the flag); `scale` (flag value x scale = field value).
+
+Each config validates itself when it is built (`__post_init__` runs its `validate`), so an
+invalid one never exists and its readers (the engine, the scheduler, the runner) trust it.
+Checks that need the loaded model (the unchunked step budget against the context length) stay
+with the component that knows it.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ class SchedulerConfig:
             return self.max_prefill_tokens_per_seq
         return 512 if device_type == "cuda" else 16
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         if self.overlap_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"overlap_scheduling must be auto, on or off, got {self.overlap_scheduling!r}")
@@ -61,6 +69,14 @@ class SchedulerConfig:
             raise ValueError("max_prefill_tokens_per_seq must be >= 0 (0: no cap)")
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
             raise ValueError("waiting-queue bounds must be >= 1")
+
+
+def check_checkpoint_stride(stride: int, block_size: int) -> None:
+    """The state-checkpoint stride rule: a positive multiple of the block size, so every
+    checkpoint position ends a block (a checkpoint is keyed by that block's hash)."""
+    if stride < block_size or stride % block_size:
+        raise ValueError(f"state_checkpoint_stride ({stride}) must be a positive multiple of "
+                         f"block_size ({block_size})")
 
 
 @dataclass
@@ -89,13 +105,13 @@ class CacheConfig:
             return self.state_checkpoint_stride
         return max(512, self.block_size)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
-        stride = self.checkpoint_stride()
-        if stride < self.block_size or stride % self.block_size:
-            raise ValueError(f"state_checkpoint_stride ({stride}) must be a positive multiple of "
-                             f"block_size ({self.block_size})")
+        check_checkpoint_stride(self.checkpoint_stride(), self.block_size)
         if not 0.0 <= self.state_checkpoint_memory_fraction < 1.0:
             raise ValueError("state_checkpoint_memory_fraction must be in [0, 1)")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -126,6 +142,9 @@ class ModelConfig:
     generation_config: str = _opt("auto", "sampling defaults for fields a request leaves unset: auto (the "
                                   "model's generation_config.json, or the shipped defaults of an embedded "
                                   "model), none (neutral sampling), or a path to a generation_config.json")
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -181,6 +200,9 @@ class KVTransferConfig:
             raise ValueError(f"kv transfer address must be host:port, got {self.transfer_address!r}")
         return host, int(port)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         if self.role not in KV_ROLES:
             raise ValueError(f"kv role must be one of {', '.join(KV_ROLES)}, got {self.role!r}")
@@ -193,7 +215,8 @@ class KVTransferConfig:
 
 @dataclass
 class EngineConfig:
-    """The engine's whole configuration: model, KV cache, scheduler, KV transfer (each validated once)."""
+    """The engine's whole configuration: model, KV cache, scheduler, KV transfer (each part
+    validated when built; `validate` checks them again after a caller changed a field)."""
 
     model: ModelConfig
     cache: CacheConfig

@@ -71,7 +71,6 @@ class LLMEngine:
     """Continuous batching over one model replica: admission, stepping, stopping, aborts."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, kv_ipc=None) -> None:
-        config.validate()
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.max_model_len = self.runner.max_model_len

@@ -109,7 +109,7 @@ class Scheduler:
         self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
         device_type: str = "cuda", kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
-        config.validate()
+        # `config` validated itself when built; this check needs the model's context length.
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             # A whole prompt (or a preempted sequence's prompt and output) must fit in one step.
             raise ValueError(
