@@ -10,6 +10,14 @@ Processing order for every row (vectorised across the batch, per-row parameters 
    top-p (relative to the top-k-truncated distribution, as Hugging Face and vLLM do), min-p,
    then one draw with the exponential race ``argmax(probs / q), q ~ Exp(1)``.
 
+The top-k / top-p / min-p filter is one function with two implementations: on CUDA the sort-free
+Triton kernel ``tandem.kernels.sampling.apply_top_k_top_p_min_p``, elsewhere its PyTorch twin
+(a partial ``topk`` when no row uses top-p, else the kernel's sort-based reference). Both keep the
+same set: a token tied with a kept token is kept (top-k keeps every logit equal to the k-th;
+top-p keeps token i iff the mass of strictly more likely survivors is < p), so the result does
+not depend on the order a sort gives equal logits. They differ only by float rounding of a
+token whose probability lies exactly on a boundary.
+
 Logprobs describe the *raw* model distribution: log-softmax of the logits as the model produced
 them, before min_tokens masking, penalties or temperature (vLLM's default ``raw_logprobs`` mode).
 They are computed only for rows whose request asked for them.
@@ -28,6 +36,7 @@ from typing import Protocol
 import torch
 
 from tandem.core_protocol import SamplingParams, TokenLogprobs
+from tandem.kernels.sampling import apply_top_k_top_p_min_p, apply_top_k_top_p_min_p_reference
 
 
 class SamplingRow(Protocol):
@@ -61,13 +70,18 @@ class Sampler:
     ``vocab_size``: the real vocabulary size. When given, logits columns at or beyond it are
     padding (lm heads are often padded to a multiple of 64/128) and are never sampled nor
     reported in logprobs. ``seed`` seeds the generator shared by unseeded rows (None: random).
+    ``filter_kernel``: run top-k / top-p / min-p through the Triton kernel (True; on CPU only
+    under ``TRITON_INTERPRET=1``, for tests) or the PyTorch twin (False); None picks the kernel
+    on CUDA when Triton is installed. Either way the noise, and so per-request seeding, is the same.
     """
 
-    def __init__(self, vocab_size: int | None = None, seed: int | None = None) -> None:
+    def __init__(self, vocab_size: int | None = None, seed: int | None = None,
+                 filter_kernel: bool | None = None) -> None:
         if vocab_size is not None and vocab_size < 1:
             raise ValueError("vocab_size must be >= 1")
         self.vocab_size = vocab_size
         self._seed = seed
+        self._filter_kernel = filter_kernel
         self._generators: dict[torch.device, torch.Generator] = {}
 
     # -- public entry points -----------------------------------------------------------------
@@ -167,12 +181,7 @@ class Sampler:
         device = logits.device
         vocab = logits.shape[1]
         logits = logits / _column([p.temperature for p in params], device)
-        logits = _apply_top_k_top_p(logits, params)
-        if any(p.min_p > 0.0 for p in params):
-            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf disables.
-            log_min_p = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device)
-            threshold = logits.max(dim=-1, keepdim=True).values + log_min_p
-            logits = logits.masked_fill(logits < threshold, -math.inf)
+        logits = _filter_top_k_top_p_min_p(logits, params, self._use_filter_kernel(device))
 
         probs = logits.softmax(dim=-1)
         q = self._exponential_noise(seqs, vocab, device)
@@ -196,6 +205,15 @@ class Sampler:
             rows = [torch.empty(vocab, dtype=torch.float32).exponential_(generator=seqs[i].generator) for i in seeded]
             q[_to_device(seeded, torch.long, device)] = _host_to_device(torch.stack(rows), device)
         return q
+
+    def _use_filter_kernel(self, device: torch.device) -> bool:
+        if self._filter_kernel is not None:
+            return self._filter_kernel
+        if device.type != "cuda":
+            return False
+        from tandem.kernels._utils import triton_available
+
+        return triton_available()
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -322,39 +340,43 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return counts[:, :vocab]
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask to -inf what top-k and top-p remove; sort only when some row uses top-p.
+def _filter_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams], use_kernel: bool) -> torch.Tensor:
+    """Mask to -inf what top-k, top-p and min-p remove (module docstring: the kept set).
 
-    Top-k keeps the k highest logits (ties with the k-th are kept on the topk-only path). Top-p
-    keeps the smallest prefix of the top-k-renormalised distribution whose mass reaches p.
+    The kernel runs over every row in place (rows without a filter pass through unchanged); the
+    PyTorch twin works on the filtered rows only and sorts only when one of them uses top-p.
     """
     vocab = logits.shape[1]
     device = logits.device
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     ps = [p.top_p for p in params]
-    rows = [i for i in range(len(params)) if ks[i] < vocab or ps[i] < 1.0]
+    min_ps = [max(p.min_p, 0.0) for p in params]
+    rows = [i for i in range(len(params)) if ks[i] or ps[i] < 1.0 or min_ps[i] > 0.0]
     if not rows:
         return logits
+    if use_kernel:
+        return apply_top_k_top_p_min_p(
+            logits,
+            _to_device(ks, torch.int32, device) if any(ks) else None,
+            _to_device(ps, torch.float32, device) if any(p < 1.0 for p in ps) else None,
+            _to_device(min_ps, torch.float32, device) if any(min_ps) else None,
+            out=logits,
+        )
     idx = _to_device(rows, torch.long, device)
     sub = logits[idx]
     k = _to_device([ks[i] for i in rows], torch.long, device)
-
-    if all(ps[i] >= 1.0 for i in rows):
-        # Top-k alone: a partial topk gives each row's k-th value as a threshold, no full sort.
-        kth = torch.topk(sub, max(ks[i] for i in rows), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-        sub = sub.masked_fill(sub < kth, -math.inf)
+    min_p = _to_device([min_ps[i] for i in rows], torch.float32, device)
+    if any(ps[i] < 1.0 for i in rows):
+        sub = apply_top_k_top_p_min_p_reference(sub, k, _to_device([ps[i] for i in rows], torch.float32, device), min_p)
     else:
-        sorted_logits, order = sub.sort(dim=-1, descending=True)
-        position = torch.arange(vocab, device=device).unsqueeze(0)
-        remove = position >= k.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(remove, -math.inf)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = _column([ps[i] for i in rows], device)
-        # Rows with p == 1 must not lose their tail to cumsum rounding.
-        remove |= (mass_before >= p) & (p < 1.0)
-        remove[:, 0] = False
-        sub = sub.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), -math.inf)
+        if any(ks[i] for i in rows):
+            # Top-k alone: a partial topk gives each row's k-th value as a threshold, no full sort.
+            kth = torch.topk(sub, max(ks[i] for i in rows), dim=-1).values.gather(1, (k.clamp(min=1) - 1).unsqueeze(1))
+            sub = sub.masked_fill((sub < kth) & (k > 0).unsqueeze(1), -math.inf)
+        if any(min_ps[i] > 0.0 for i in rows):
+            # p_i >= min_p * p_max  <=>  exp(logit_i - logit_max) >= min_p (the kernel's form).
+            ratio = torch.exp(sub - sub.max(dim=-1, keepdim=True).values)
+            sub = sub.masked_fill(ratio < min_p.unsqueeze(1), -math.inf)
     if len(rows) == len(params):
         return sub
     out = logits.clone()
