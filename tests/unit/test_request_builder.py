@@ -177,6 +177,15 @@ def test_prepare_defaults(builder):
     assert p.want_logprobs is False and p.return_prompt_token_ids is False
 
 
+def test_prepare_keeps_the_validated_sampling(builder):
+    """The frontend's one conversion of the request's sampling is kept, not redone: the default
+    max_tokens (8) capped by what the prompt leaves of the context (64), the client's fields."""
+    p = builder.prepare(req(prompt_token_ids=[1] * 60, sampling={"temperature": 0.5, "min_tokens": 2}), "e", ["a"])
+    assert (p.sampling.max_tokens, p.sampling.temperature, p.sampling.min_tokens) == (4, 0.5, 2)
+    assert builder.prepare(req(prompt="Hi"), "e", ["a"]).sampling.max_tokens == 8
+    assert builder.prepare(req(prompt="Hi", sampling={"max_tokens": 30}), "e", ["a"]).sampling.max_tokens == 30
+
+
 def test_prepare_carries_the_output_options(builder):
     p = builder.prepare(req(prompt="Hi", include_stop_str_in_output=True, skip_special_tokens=False,
                             return_prompt_token_ids=True, sampling={"logprobs": 0}), "e", ["a"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.core_protocol import SamplingParams
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.protocol import (
@@ -43,7 +44,12 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass
 class PreparedRequest:
-    """A request ready to fan out: its prompt tokens and one engine request per choice."""
+    """A request ready to fan out: its prompt tokens and one engine request per choice.
+
+    `sampling` is the request's sampling as validated against the engines' limits (every choice
+    shares it but the seed); its `max_tokens` is resolved (the client's, else the engines'
+    default capped by the context), which the disaggregated legs split.
+    """
 
     external_id: str
     prompt_token_ids: list[int]
@@ -58,6 +64,7 @@ class PreparedRequest:
     # The request used the deprecated Struct form: the reply carries that form too.
     legacy_kv_reply: bool = False
     extra: dict = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 class RequestBuilder:
@@ -150,7 +157,7 @@ class RequestBuilder:
         kept = [(seq, o) for seq, o in zip(sequences, owner) if len(seq) <= MAX_STOP_SEQUENCE_LEN]
         sequences, owner = [seq for seq, _ in kept], [o for _, o in kept]
         # Validates every sampling field against the model (raises InvalidRequest).
-        sampling_from_proto(request.sampling, self.limits, len(prompt), sequences)
+        sampling = sampling_from_proto(request.sampling, self.limits, len(prompt), sequences)
         kv = request.kv_transfer_params if request.HasField("kv_transfer_params") else None
         engine_requests = []
         for i, internal_id in enumerate(internal_ids):
@@ -175,6 +182,7 @@ class RequestBuilder:
             return_prompt_token_ids=request.return_prompt_token_ids,
             kv_transfer_params=kv,
             legacy_kv_reply=request.HasField(LEGACY_KV_TRANSFER_FIELD),
+            sampling=sampling,
         )
 
     def choice_state(self, prepared: PreparedRequest, index: int) -> ChoiceState:
