@@ -74,10 +74,15 @@ class GenerationDefaults:
             setattr(out, name, value)
         return out
 
-    def effective(self, default_max_tokens: int) -> dict:
+    def default_max_tokens(self, server_default: int) -> int:
+        """The max_tokens of a request that sets none: the model's, else the server's
+        `--default-max-tokens` (the request's context then caps it)."""
+        return self.max_tokens or server_default
+
+    def effective(self, server_default_max_tokens: int) -> dict:
         """What a request that sets no sampling field gets (for model info and logs)."""
         return {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                **self.sampling_fields(), "max_tokens": self.max_tokens or default_max_tokens,
+                **self.sampling_fields(), "max_tokens": self.default_max_tokens(server_default_max_tokens),
                 "source": self.source}
 
     def as_dict(self) -> dict:

@@ -48,7 +48,8 @@ def test_every_read_field_and_max_new_tokens(tmp_path):
         0.6, 0.95, 0, 0.05, 1.1, 100)
     p = sampling_from_proto(common_pb2.SamplingParams(), _limits(d), 5)
     assert (p.min_p, p.repetition_penalty, p.max_tokens) == pytest.approx((0.05, 1.1, 100))
-    assert d.effective(256)["max_tokens"] == 100
+    assert d.effective(256)["max_tokens"] == d.default_max_tokens(256) == 100
+    assert GenerationDefaults().default_max_tokens(256) == GenerationDefaults().effective(256)["max_tokens"] == 256
     # a request's own values win field by field
     p = sampling_from_proto(common_pb2.SamplingParams(top_p=0.5, repetition_penalty=1.0, max_tokens=7),
                             _limits(d), 5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.frontend.app import engine_default_max_tokens
 from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.protocol import InvalidRequest, Limits
@@ -184,6 +185,20 @@ def test_prepare_keeps_the_validated_sampling(builder):
     assert (p.sampling.max_tokens, p.sampling.temperature, p.sampling.min_tokens) == (4, 0.5, 2)
     assert builder.prepare(req(prompt="Hi"), "e", ["a"]).sampling.max_tokens == 8
     assert builder.prepare(req(prompt="Hi", sampling={"max_tokens": 30}), "e", ["a"]).sampling.max_tokens == 30
+
+
+def test_frontend_validates_with_the_engines_default_max_tokens(tok):
+    """The engine reports the max_tokens a request that sets none gets (its generation config's,
+    else its flag's); the frontend resolves with that value, not its own flag, so a min_tokens
+    the engine accepts is not refused here, and the disaggregated legs split the engine's value."""
+    info = {"sampling_defaults": {"max_tokens": 40, "temperature": 0.0}}
+    assert engine_default_max_tokens(info, 8) == 40
+    assert engine_default_max_tokens({}, 8) == 8  # an engine that reports none: the frontend's flag
+    limits = Limits(vocab_size=49152, max_model_len=64, default_max_tokens=engine_default_max_tokens(info, 8))
+    p = RequestBuilder(tok, limits, "smollm2").prepare(req(prompt="Hi", sampling={"min_tokens": 20}), "e", ["a"])
+    assert (p.sampling.max_tokens, p.sampling.min_tokens) == (40, 20)
+    with pytest.raises(InvalidRequest, match="min_tokens"):
+        RequestBuilder(tok, LIMITS, "smollm2").prepare(req(prompt="Hi", sampling={"min_tokens": 20}), "e", ["a"])
 
 
 def test_prepare_carries_the_output_options(builder):

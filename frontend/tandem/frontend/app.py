@@ -76,6 +76,15 @@ def _engine_pool(options: FrontendOptions, addresses: list[str]) -> EnginePool:
                       transport=options.engine_transport)
 
 
+def engine_default_max_tokens(model_info: dict, fallback: int) -> int:
+    """The max_tokens an engine gives a request that sets none, as its model info reports it
+    (its generation config's, else its --default-max-tokens); `fallback` (the frontend's own
+    --default-max-tokens) for an engine that reports none. The frontend validates with it, so a
+    request is judged by the value the engine will use, and the disaggregated legs split it."""
+    reported = (model_info.get("sampling_defaults") or {}).get("max_tokens")
+    return int(reported) if reported else fallback
+
+
 async def build_request_builder(options: FrontendOptions, pool: EnginePool,
                                 disaggregated: DisaggregatedPools | None = None) -> RequestBuilder:
     """Waits for the engines (both pools when disaggregated), then loads the tokenizer and the
@@ -93,7 +102,7 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool,
     limits = Limits(
         vocab_size=info["vocab_size"],
         max_model_len=info["max_model_len"],
-        default_max_tokens=options.default_max_tokens,
+        default_max_tokens=engine_default_max_tokens(ready.model_info, options.default_max_tokens),
         kv_capacity_tokens=info["kv_capacity_tokens"],
     )
     name = options.served_model_name or info["model"]

@@ -420,19 +420,10 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         if self.disaggregated is None:
             return active.replica.open_call(er, deadline, metadata, self.pool.multiplexed)
         obs = active.observation
-        return TwoLegCall(er, self.disaggregated, active.replica, None,
-                          self._resolved_max_tokens(er, active.replica, len(prepared.prompt_token_ids)),
+        # The choice's total max_tokens as the frontend resolved it while validating the request.
+        return TwoLegCall(er, self.disaggregated, active.replica, None, prepared.sampling.max_tokens,
                           deadline, metadata, self.pool.multiplexed,
                           on_decode_replica=(lambda r: obs.note(decode_engine=r.address)) if obs is not None else None)
-
-    def _resolved_max_tokens(self, er, replica: EngineReplica, num_prompt_tokens: int) -> int:
-        """A choice's total max_tokens as one engine would resolve it: the client's, else the
-        engine's default (its generation config's, else --default-max-tokens) capped by the context."""
-        if er.sampling.HasField("max_tokens"):
-            return er.sampling.max_tokens
-        defaults = replica.model_info.get("sampling_defaults") or {}
-        default = int(defaults.get("max_tokens") or self.builder.limits.default_max_tokens)
-        return max(1, min(default, self.builder.limits.max_model_len - num_prompt_tokens))
 
     async def _end_with_engine_error(self, context, error: grpc.aio.AioRpcError, replica: EngineReplica) -> None:
         """Ends the client's call with the engine's error, unless the client's own ending raced it:

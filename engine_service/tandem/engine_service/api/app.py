@@ -118,11 +118,11 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     limits = Limits(
         vocab_size=info.vocab_size,
         max_model_len=info.max_model_len,
-        default_max_tokens=defaults.max_tokens or options.default_max_tokens,
+        default_max_tokens=defaults.default_max_tokens(options.default_max_tokens),
         kv_capacity_tokens=info.kv_capacity_tokens,
         sampling_defaults=defaults,
     )
-    effective = defaults.effective(limits.default_max_tokens)
+    effective = defaults.effective(options.default_max_tokens)
     servicer.attach(core, limits, {**info.model_info(), "sampling_defaults": effective})
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("engine_ready", kv_blocks=info.kv_blocks, max_model_len=info.max_model_len,
