@@ -47,6 +47,16 @@ for part in "$@"; do
     # Prefix-cache hit rates of a hybrid (state checkpoints) against its all-full-attention twin, and
     # the no-reuse cost of keeping checkpoints.
     prefix-next) timeout 450 $PY -m tandem.cli bench prefix --model dummy:qwen3.5-9b --max-model-len 8192 --max-seconds 420 --out "$OUT" ;;
+X
+    # kernel by kernel and layer by layer, and one eager 1k-token prefill step of Qwen3-0.6B.
+    profile)
+      for m in qwen3-8b qwen3-30b-a3b qwen3-next-80b-a3b; do
+        timeout 150 $PY -m tandem.cli bench profile --model dummy:$m --max-model-len 8192 --max-num-seqs 8 --max-seconds 140 --out "$OUT"
+      done
+      timeout 120 $PY -m tandem.cli bench profile --model dummy:qwen3-0.6b --max-model-len 8192 --max-num-seqs 8 --decode-shapes none \
+        --prefill-shapes 1x1024 --max-seconds 110 --out "$OUT" ;;
+    # Issue 18: Sampler.sample with the filter kernel on and off (tokens, then times) at vocab 151936.
+    sampler) timeout 200 $PY bench/probes/sampler_probe.py --batches 1,64,256 ;;
     # Host time per step with a model-free runner, against the Qwen3-8B batch-256 step (roofline).
     overhead) timeout 120 $PY -m tandem.cli bench overhead --batches 64,256 --gpu-step-ms "${GPU_STEP_MS:-16.4}" --out "$OUT" ;;
     # Issue 11: the hybrid models against transformers' own classes (reference vs Triton eager vs graphs), in parallel.

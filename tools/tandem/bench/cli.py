@@ -1,4 +1,4 @@
-"""`tandem bench roofline|throughput|serve|overhead|transport|soak|prefix|report`: argument parsing and the run wrapper.
+"""`tandem bench roofline|profile|throughput|serve|overhead|transport|soak|prefix|report`: argument parsing and the run wrapper.
 
 Each measuring subcommand writes `<out>/<kind>-<model>-<timestamp>.json` (default out:
 `bench/results/`), even when parts of it failed (they are listed under `errors`), and prints
@@ -77,6 +77,10 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def _shapes_or_none(text: str) -> list[tuple[int, int]]:
+    return [] if text.strip().lower() in ("", "none") else _shapes(text)
+
+
 def _key_value(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -125,6 +129,16 @@ def add_bench_parser(sub: Any) -> None:
     g.add_argument("--kv-aliasing", action="store_true",
                    help="run points whose KV does not fit by sharing blocks between sequences (flagged)")
     roof.set_defaults(fn=cmd_bench, bench_fn=_roofline)
+
+    prof = bsub.add_parser("profile", help="one decode step (as served) and eager prefill steps, kernel by kernel "
+                                           "and layer by layer, with torch.profiler (GPU only)")
+    _common(prof, "dummy:qwen3-8b", 240.0)
+    g = prof.add_argument_group("profile")
+    g.add_argument("--decode-shapes", type=_shapes_or_none, default=[(1, 1024)], help="BATCHxCONTEXT,... or none")
+    g.add_argument("--prefill-shapes", type=_shapes_or_none, default=[], help="NxLEN,... or none (default)")
+    g.add_argument("--steps", type=int, default=10, help="profiled decode steps (medians per kernel)")
+    g.add_argument("--reps", type=int, default=30, help="unprofiled timing runs per step kind")
+    prof.set_defaults(fn=cmd_bench, bench_fn=_profile)
 
     thr = bsub.add_parser("throughput", help="offline throughput of the in-process engine vs. HF continuous batching")
     _common(thr, "dummy:qwen3-0.6b", 600.0)
@@ -336,6 +350,15 @@ def _roofline(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
         headroom_gib=args.headroom_gib, kv_aliasing=args.kv_aliasing)
     roofline.run_roofline(record, engine_config_from_args(args), options, deadline)
     return roofline.short_table
+
+
+def _profile(record: Any, args: argparse.Namespace, deadline: Any) -> Any:
+    from tandem.bench import kernel_profile
+
+    options = kernel_profile.ProfileOptions(decode_shapes=args.decode_shapes, prefill_shapes=args.prefill_shapes,
+                                            steps=args.steps, reps=args.reps)
+    kernel_profile.run_profile(record, engine_config_from_args(args), options, deadline)
+    return kernel_profile.short_table
 
 
 def _throughput(record: Any, args: argparse.Namespace, deadline: Any) -> Any:

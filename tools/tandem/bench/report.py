@@ -93,7 +93,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 def served_stack_of(data: dict[str, Any]) -> tuple[str, str, int, int]:
     """(engine core, engine transport, frontend workers, client processes) of a serve run's
-    primary stack; runs from before these were recorded ran the engine core on a thread of the
+    primary stack; a result that does not record them ran the engine core on a thread of the
     gRPC process, the stream transport, one frontend and one client process."""
     if data.get("kind") != "serve":
         return ("", "", 0, 0)
@@ -106,7 +106,7 @@ def served_stack_of(data: dict[str, Any]) -> tuple[str, str, int, int]:
 
 
 def serve_rounds_of(data: dict[str, Any]) -> int:
-    """`--rounds` of a serve run (1 for runs from before rounds existed)."""
+    """`--rounds` of a serve run (1 for a result that does not record it)."""
     return int(((data.get("results") or {}).get("options") or {}).get("rounds") or 1)
 
 
@@ -361,6 +361,8 @@ def _headline(data: dict[str, Any]) -> str:
         runs = {r.get("shape"): r for r in (res.get("disagg") or {}).get("runs", [])}
         p99 = [_num((runs.get(k) or {}).get("decode_itl_ms", {}).get("p99")) for k in ("single", "disaggregated")]
         return f"ITL p99 {p99[0]} ms single, {p99[1]} ms disaggregated"
+    if kind == "profile":
+        return f"{len(res.get('decode', []))} decode, {len(res.get('prefill', []))} prefill profiles"
     levels = [lv for lv in res.get("levels", []) if lv.get("served", {}).get("output_tokens_per_s")]
     rounds = serve_rounds_of(data) if kind == "serve" else 1
     return f"{len(levels)} levels" + (f", {rounds} rounds" if rounds > 1 else "")

@@ -29,7 +29,8 @@ from tandem.bench.env_info import collect_env
 log = structlog.get_logger(__name__)
 
 SCHEMA = "tandem.bench/v1"
-KINDS = ("roofline", "throughput", "serve", "overhead", "transport", "soak", "disagg", "prefix", "kv_transfer")
+KINDS = ("roofline", "throughput", "serve", "overhead", "transport", "soak", "disagg", "prefix", "kv_transfer",
+         "profile")
 DEFAULT_RESULTS_DIR = "bench/results"
 
 
