@@ -47,7 +47,8 @@ for part in "$@"; do
     # Prefix-cache hit rates of a hybrid (state checkpoints) against its all-full-attention twin, and
     # the no-reuse cost of keeping checkpoints.
     prefix-next) timeout 450 $PY -m tandem.cli bench prefix --model dummy:qwen3.5-9b --max-model-len 8192 --max-seconds 420 --out "$OUT" ;;
-X
+    # Issue 26: one decode step at batch 1 (1k context, the served bucket-1 CUDA graph, which does not
+    # depend on the larger buckets: 8 are captured, not 256, to save start-up; roofline's max_model_len)
     # kernel by kernel and layer by layer, and one eager 1k-token prefill step of Qwen3-0.6B.
     profile)
       for m in qwen3-8b qwen3-30b-a3b qwen3-next-80b-a3b; do
