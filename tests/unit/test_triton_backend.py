@@ -137,9 +137,9 @@ def test_fused_model_has_the_same_seeded_weights() -> None:
         assert torch.equal(tensor, fused_state[name]), name
     attn, mlp = fused.model.layers[1].self_attn, fused.model.layers[1].mlp
     qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-    assert torch.equal(attn.qkv_weight, qkv) and attn.qkv_bias is not None
-    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()  # a view, not a copy
-    assert torch.equal(mlp.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert torch.equal(attn.qkv.weight, qkv) and attn.qkv.bias is not None
+    assert attn.q_proj.weight.data_ptr() == attn.qkv.weight.data_ptr()  # a view, not a copy
+    assert torch.equal(mlp.gate_up.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3"])

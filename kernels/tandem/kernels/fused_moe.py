@@ -32,9 +32,16 @@ tokens an expert gets); activations are small next to that.
 ``fused_moe_reference`` is the PyTorch twin (a loop over the experts that have tokens) with the
 same roundings: float32 GEMM accumulation, the activation rounded to the model dtype, each
 weighted pair output rounded to the model dtype, the k pairs summed in float32.
+
+FP8 experts (W8A16): pass ``scales=MoeFp8Scales(gate_up, down, block)`` with the weights stored
+as ``float8_e4m3fn`` and block scales ``[E, ceil(rows/bn), ceil(cols/bk)]`` (``fp8_gemm``'s
+layout). Both kernels then multiply each loaded weight tile by its block's scale in float32 and
+round it to the model dtype before the dot; the twin dequantizes each used expert the same way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,14 +60,26 @@ from tandem.kernels._utils import (
     tl,
     triton_kernel,
 )
+from tandem.kernels.fp8_gemm import FP8_DTYPE, check_scale, dequantize
 
 __all__ = [
     "align_pairs_by_expert",
     "fused_moe",
     "fused_moe_ref",
     "fused_moe_reference",
+    "MoeFp8Scales",
     "select_experts",
 ]
+
+
+@dataclass(frozen=True)
+class MoeFp8Scales:
+    """Block scales of FP8 expert weights: ``gate_up [E, ceil(2I/bn), ceil(Hd/bk)]``,
+    ``down [E, ceil(Hd/bn), ceil(I/bk)]``, float32, for blocks ``block = (bn, bk)``."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    block: tuple[int, int]
 
 
 def select_experts(
@@ -89,6 +108,7 @@ def _check_inputs(
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    scales: MoeFp8Scales | None = None,
 ) -> tuple[int, int, int, int, int]:
     check_dtype("hidden", hidden, FLOAT_DTYPES)
     if hidden.dim() != 2:
@@ -100,8 +120,12 @@ def _check_inputs(
     check_shape("w_gate_up", w_gate_up, (e, 2 * inter, hd))
     check_shape("w_down", w_down, (e, hd, inter))
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if w.dtype != hidden.dtype:
-            raise TypeError(f"{name} has dtype {w.dtype}; expected hidden's {hidden.dtype}")
+        want = FP8_DTYPE if scales is not None else hidden.dtype
+        if w.dtype != want:
+            raise TypeError(f"{name} has dtype {w.dtype}; expected {want}")
+    if scales is not None:
+        check_scale(w_gate_up, scales.gate_up, scales.block)
+        check_scale(w_down, scales.down, scales.block)
     if topk_ids.dim() != 2 or topk_ids.shape[0] != n:
         raise ValueError(f"topk_ids must be [N={n}, k], got {list(topk_ids.shape)}")
     k = topk_ids.shape[1]
@@ -122,24 +146,29 @@ def fused_moe_reference(
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    scales: MoeFp8Scales | None = None,
 ) -> torch.Tensor:
     """PyTorch twin of :func:`fused_moe`: a loop over the experts that received tokens."""
-    n, hd, _, _, _ = _check_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids)
+    n, hd, _, _, _ = _check_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, scales)
     dtype = hidden.dtype
     out = torch.zeros(n, hd, dtype=torch.float32, device=hidden.device)
     ids = topk_ids.long()
     for expert in torch.unique(ids).tolist():  # sorted; experts with no tokens never appear
         tokens, slots = torch.where(ids == expert)
         x = hidden[tokens].float()
-        gate, up = F.linear(x, w_gate_up[expert].float()).chunk(2, dim=-1)
+        w1, w2 = w_gate_up[expert], w_down[expert]
+        if scales is not None:  # rounded to the model dtype, as the kernels round each tile
+            w1 = dequantize(w1, scales.gate_up[expert], scales.block, dtype)
+            w2 = dequantize(w2, scales.down[expert], scales.block, dtype)
+        gate, up = F.linear(x, w1.float()).chunk(2, dim=-1)
         act = (F.silu(gate) * up).to(dtype)
-        y = F.linear(act.float(), w_down[expert].float())
+        y = F.linear(act.float(), w2.float())
         pair = (y * topk_weights[tokens, slots, None]).to(dtype)
         out.index_add_(0, tokens, pair.float())
     return out.to(dtype)
 
 
-fused_moe_ref = fused_moe_reference  # the name issue #11's interface note uses
+fused_moe_ref = fused_moe_reference  # the short name docs/interfaces.md also lists
 
 
 # --------------------------------------------------------------------------- Triton path
@@ -180,6 +209,7 @@ def align_pairs_by_expert(
 def _moe_gate_up_kernel(
     x_ptr,
     w_ptr,
+    ws_ptr,
     act_ptr,
     sorted_pairs_ptr,
     block_expert_ptr,
@@ -190,7 +220,12 @@ def _moe_gate_up_kernel(
     stride_xm,
     stride_we,
     stride_wn,
+    stride_wse,
+    stride_wsn,
     stride_am,
+    HAS_SCALE: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -217,6 +252,12 @@ def _moe_gate_up_kernel(
         w_gate = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (cols[None, :] + inter).to(tl.int64) * stride_wn + ks[:, None], mask=w_mask,
                        other=0.0)
+        if HAS_SCALE:  # FP8 tiles times their block scales, rounded to the activation dtype
+            s_base = ws_ptr + expert.to(tl.int64) * stride_wse + k0 // SCALE_BK
+            s_gate = tl.load(s_base + (cols // SCALE_BN).to(tl.int64) * stride_wsn, mask=col_ok, other=0.0)
+            s_up = tl.load(s_base + ((cols + inter) // SCALE_BN).to(tl.int64) * stride_wsn, mask=col_ok, other=0.0)
+            w_gate = cast(w_gate.to(tl.float32) * s_gate[None, :], x_ptr.dtype.element_ty)
+            w_up = cast(w_up.to(tl.float32) * s_up[None, :], x_ptr.dtype.element_ty)
         acc_gate += dot(a, w_gate, PRECISION)
         acc_up += dot(a, w_up, PRECISION)
     y = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
@@ -228,6 +269,7 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     act_ptr,
     w_ptr,
+    ws_ptr,
     out_ptr,
     weights_ptr,
     sorted_pairs_ptr,
@@ -238,7 +280,12 @@ def _moe_down_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_wse,
+    stride_wsn,
     stride_om,
+    HAS_SCALE: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -262,6 +309,10 @@ def _moe_down_kernel(
                     other=0.0)
         w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if HAS_SCALE:
+            s = tl.load(ws_ptr + expert.to(tl.int64) * stride_wse + k0 // SCALE_BK
+                        + (cols // SCALE_BN).to(tl.int64) * stride_wsn, mask=col_ok, other=0.0)
+            w = cast(w.to(tl.float32) * s[None, :], act_ptr.dtype.element_ty)
         acc += dot(a, w, PRECISION)
     weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
     acc = acc * weight[:, None]
@@ -288,20 +339,36 @@ def _block_n(busy_blocks: int, cols: int, device: torch.device) -> int:
     return 16
 
 
+def _scale_args(scales: MoeFp8Scales | None, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> dict:
+    """The kernels' scale arguments; without scales, placeholders (the weights) never read."""
+    if scales is None:
+        return {"gate_up": w_gate_up, "down": w_down, "gate_up_strides": (0, 0), "down_strides": (0, 0),
+                "consts": {"HAS_SCALE": False, "SCALE_BN": 1, "SCALE_BK": 1}}
+    for s in (scales.gate_up, scales.down):
+        if s.stride(-1) != 1:
+            raise ValueError("expert scales must be contiguous in their last dim")
+    return {"gate_up": scales.gate_up, "down": scales.down,
+            "gate_up_strides": (scales.gate_up.stride(0), scales.gate_up.stride(1)),
+            "down_strides": (scales.down.stride(0), scales.down.stride(1)),
+            "consts": {"HAS_SCALE": True, "SCALE_BN": scales.block[0], "SCALE_BK": scales.block[1]}}
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    scales: MoeFp8Scales | None = None,
 ) -> torch.Tensor:
     """``[N, Hd]`` -> ``[N, Hd]``: the weighted sum of each token's ``k`` experts' SwiGLU MLPs.
 
     ``w_gate_up [E, 2I, Hd]`` (gate rows first), ``w_down [E, Hd, I]``, both contiguous and in
     ``hidden``'s dtype; ``topk_weights [N, k]`` float32; ``topk_ids [N, k]`` int32/int64 in
-    ``[0, E)``. Runs on CUDA (ROCm) and on CPU under ``TRITON_INTERPRET=1``.
+    ``[0, E)``. Runs on CUDA (ROCm) and on CPU under ``TRITON_INTERPRET=1``. With ``scales`` the
+    weights are FP8 (see the module docstring).
     """
-    n, hd, e, inter, k = _check_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids)
+    n, hd, e, inter, k = _check_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, scales)
     check_contiguous_last_dim("hidden", hidden)
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if not w.is_contiguous():
@@ -318,18 +385,22 @@ def fused_moe(
     weights = topk_weights.reshape(-1).contiguous()
     precision = dot_precision(dtype)
     block_k = 64
+    # A K tile must not straddle a scale block: blocks a multiple of the tile wide, or spanning K.
+    if scales is not None and scales.block[1] % block_k and scales.block[1] < max(hd, inter):
+        raise ValueError(f"FP8 expert scale blocks must be a multiple of {block_k} wide, got {scales.block}")
+    fp8 = _scale_args(scales, w_gate_up, w_down)
     busy = min(e, p)  # row blocks with work, at least (one per expert that has tokens)
     block_n = _block_n(busy, inter, device)
     _moe_gate_up_kernel.on(device)[(num_blocks, cdiv(inter, block_n))](
-        hidden, w_gate_up, act, sorted_pairs, block_expert, p, hd, inter, k,
-        hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4, num_stages=3,
+        hidden, w_gate_up, fp8["gate_up"], act, sorted_pairs, block_expert, p, hd, inter, k,
+        hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), *fp8["gate_up_strides"], act.stride(0),
+        **fp8["consts"], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4, num_stages=3,
     )
     block_n = _block_n(busy, hd, device)
     _moe_down_kernel.on(device)[(num_blocks, cdiv(hd, block_n))](
-        act, w_down, pair_out, weights, sorted_pairs, block_expert, p, hd, inter,
-        act.stride(0), w_down.stride(0), w_down.stride(1), pair_out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4, num_stages=3,
+        act, w_down, fp8["down"], pair_out, weights, sorted_pairs, block_expert, p, hd, inter,
+        act.stride(0), w_down.stride(0), w_down.stride(1), *fp8["down_strides"], pair_out.stride(0),
+        **fp8["consts"], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4, num_stages=3,
     )
     if k == 1:
         return pair_out

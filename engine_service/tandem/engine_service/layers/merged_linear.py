@@ -9,6 +9,10 @@ projection's parameter lands in the merged tensor.
 
 The views stay valid as long as nobody replaces the parameters' storage (`module.to(...)`,
 `param.data = ...`); the engine builds models in place on their device and never does.
+
+`MergedColumnLinear` holds the merged tensors as a module (non-persistent buffers: the
+checkpoint names stay the projections'); `to_fp8` re-merges them as FP8 with merged block scales,
+each projection's weight and scale again views of them (`layers/fp8.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.engine_service.layers.linear import ColumnParallelLinear
+from tandem.engine_service.layers.fp8 import new_scale, part_block
+from tandem.engine_service.layers.linear import ColumnParallelLinear, apply_linear
+from tandem.kernels.fp8_gemm import FP8_DTYPE
 
 
 def _merge(params: list[nn.Parameter]) -> torch.Tensor:
@@ -62,3 +68,41 @@ def merge_column_linears(linears: list[ColumnParallelLinear]) -> tuple[torch.Ten
             _alias(lin, "bias", lin.bias, bias[row : row + rows])
         row += rows
     return weight, bias
+
+
+class MergedColumnLinear(nn.Module):
+    """One GEMM over `linears` (column-parallel projections of the same input), their outputs
+    concatenated in order. Owns no parameters: its `weight`/`bias` buffers are the merged storage
+    the projections' parameters are views of (see `merge_column_linears`)."""
+
+    def __init__(self, linears: list[ColumnParallelLinear]) -> None:
+        super().__init__()
+        self._members = tuple(linears)  # a tuple: not registered as submodules, no duplicate names
+        weight, bias = merge_column_linears(linears)
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("weight_scale_inv", None, persistent=False)
+        self.weight_block: tuple[int, int] | None = None
+
+    @property
+    def members(self) -> tuple[ColumnParallelLinear, ...]:
+        return self._members
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the merged weight as FP8 with block scales, each projection a row slice of both.
+        Projections that are not a whole number of blocks high get one-row blocks."""
+        rows = [lin.out_features for lin in self._members]
+        block = part_block(block, rows)
+        weight = torch.empty(self.weight.shape, dtype=FP8_DTYPE, device=self.weight.device)
+        scale = new_scale(tuple(weight.shape), block, weight.device)
+        row = 0
+        for lin, n in zip(self._members, rows):
+            view = nn.Parameter(scale[row // block[0]: (row + n + block[0] - 1) // block[0]], requires_grad=False)
+            lin.to_fp8(block, weight[row: row + n], view)
+            row += n
+        self.weight = weight
+        self.weight_scale_inv = scale.data
+        self.weight_block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_linear(x, self.weight, self.bias, self.weight_scale_inv, self.weight_block)

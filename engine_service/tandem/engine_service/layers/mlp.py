@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine_service.layers.activation import silu_and_mul
 from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tandem.engine_service.layers.merged_linear import merge_column_linears
+from tandem.engine_service.layers.merged_linear import MergedColumnLinear
 from tandem.kernels import activation as activation_kernels
 
 
@@ -26,12 +25,10 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.fused = fused
         if fused:  # gate rows first: the layout silu_and_mul's kernel reads
-            weight, merged_bias = merge_column_linears([self.gate_proj, self.up_proj])
-            self.register_buffer("gate_up_weight", weight, persistent=False)
-            self.register_buffer("gate_up_bias", merged_bias, persistent=False)
+            self.gate_up = MergedColumnLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+            gate_up = self.gate_up(x)
             return self.down_proj(activation_kernels.silu_and_mul(gate_up))
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))

@@ -25,6 +25,11 @@ PyTorch one (the reference and CPU path) runs `fused_moe_reference`; the fused o
 Triton `fused_moe` and computes the router logits, the shared expert's gate/up and its sigmoid
 gate logit as ONE GEMM over a merged weight (all three read the same `x`), then the shared
 expert's SiLU·mul kernel and down projection.
+
+FP8 experts (`ExpertWeights.to_fp8`): the stacked weights are e4m3 with block scales
+`gate_up_proj_scale_inv [E, ceil(2I/bn), ceil(Hd/bk)]`, `down_proj_scale_inv [E, ceil(Hd/bn),
+ceil(I/bk)]` (one-row blocks when I is not a whole number of blocks: `fp8.part_block`); both op
+sets pass them to the MoE kernels (`MoeFp8Scales`), which dequantize in the kernel.
 """
 
 from __future__ import annotations
@@ -33,14 +38,16 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine_service.layers.fp8 import SCALE_SUFFIX, fp8_parameter, load_rows, load_scale_rows, new_scale, \
+    part_block
 from tandem.engine_service.layers.linear import ColumnParallelLinear
-from tandem.engine_service.layers.merged_linear import merge_column_linears
+from tandem.engine_service.layers.merged_linear import MergedColumnLinear
 from tandem.engine_service.layers.mlp import GatedMLP
 from tandem.kernels import activation as activation_kernels
-from tandem.kernels.fused_moe import fused_moe, fused_moe_reference, select_experts
+from tandem.kernels.fp8_gemm import FP8_DTYPE
+from tandem.kernels.fused_moe import MoeFp8Scales, fused_moe, fused_moe_reference, select_experts
 
 __all__ = ["ExpertWeights", "MoeSpec", "SparseMoeBlock", "expected_distinct_experts", "per_expert_checkpoint_name"]
 
@@ -102,6 +109,35 @@ class ExpertWeights(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                       requires_grad=False)
+        for stacked in ("gate_up_proj", "down_proj"):
+            self.register_parameter(stacked + SCALE_SUFFIX, None)  # set by to_fp8
+        self.weight_block: tuple[int, int] | None = None
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Hold both stacked weights as FP8 with block scales (before loading)."""
+        inter = self.intermediate_size
+        self.weight_block = block = part_block(block, [inter, self.down_proj.shape[1]])
+        for stacked in ("gate_up_proj", "down_proj"):
+            old = getattr(self, stacked)
+            scale = new_scale(tuple(old.shape), block, old.device)
+            setattr(self, stacked, fp8_parameter(torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device),
+                                                 block, scale))
+            setattr(self, stacked + SCALE_SUFFIX, scale)
+
+    def scales(self) -> MoeFp8Scales | None:
+        """The block scales the MoE kernels take, None for weights in the model dtype."""
+        if self.weight_block is None:
+            return None
+        return MoeFp8Scales(self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.weight_block)
+
+    def _target(self, proj: str, expert: int) -> tuple[str, int, int]:
+        """`(stacked parameter, first row, rows)` of expert `expert`'s `proj` slice."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range (the model has {self.num_experts})")
+        inter = self.intermediate_size
+        if proj == "down_proj":
+            return "down_proj", 0, self.down_proj.shape[1]
+        return "gate_up_proj", 0 if proj == "gate_proj" else inter, inter
 
     def parts_per_expert(self, stacked: str) -> int:
         """How many per-expert checkpoint tensors fill one expert of the stacked parameter."""
@@ -109,18 +145,27 @@ class ExpertWeights(nn.Module):
 
     @torch.no_grad()
     def load_expert(self, proj: str, expert: int, loaded: torch.Tensor) -> None:
-        """Copy expert `expert`'s `proj` ("gate_proj", "up_proj", "down_proj") into its slice."""
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} out of range (the model has {self.num_experts})")
-        inter = self.intermediate_size
-        if proj == "down_proj":
-            target = self.down_proj[expert]
-        else:
-            rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-            target = self.gate_up_proj[expert, rows]
+        """Copy expert `expert`'s `proj` ("gate_proj", "up_proj", "down_proj") into its slice
+        (FP8 weights: as stored, or quantized here from a float tensor)."""
+        stacked, row0, rows = self._target(proj, expert)
+        if self.weight_block is not None:
+            load_rows(getattr(self, stacked)[expert], getattr(self, stacked + SCALE_SUFFIX)[expert],
+                      self.weight_block, row0, loaded)
+            return
+        target = getattr(self, stacked)[expert, row0: row0 + rows]
         if target.shape != loaded.shape:
             raise ValueError(f"shape mismatch: expert slice {tuple(target.shape)} vs checkpoint {tuple(loaded.shape)}")
         target.copy_(loaded)
+
+    @torch.no_grad()
+    def load_expert_scale(self, proj: str, expert: int, loaded: torch.Tensor, block: tuple[int, int]) -> None:
+        """Copy the checkpoint's block scales (`block` blocks) of expert `expert`'s `proj`."""
+        if self.weight_block is None:
+            raise ValueError("the experts' weights are not FP8")
+        stacked, row0, rows = self._target(proj, expert)
+        cols = getattr(self, stacked).shape[-1]
+        load_scale_rows(getattr(self, stacked + SCALE_SUFFIX)[expert], self.weight_block, row0, rows, cols,
+                        loaded, block)
 
 
 class SparseMoeBlock(nn.Module):
@@ -155,8 +200,7 @@ class SparseMoeBlock(nn.Module):
             linears = [self.gate]
             if self.shared_expert is not None and self.shared_expert_gate is not None:
                 linears += [self.shared_expert_gate, self.shared_expert.gate_proj, self.shared_expert.up_proj]
-            weight, _ = merge_column_linears(linears)
-            self.register_buffer("input_weight", weight, persistent=False)
+            self.input_proj = MergedColumnLinear(linears)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(topk_weights float32, topk_ids int32)`; the weights rounded to the model dtype first,
@@ -168,16 +212,17 @@ class SparseMoeBlock(nn.Module):
         if self.fused:
             return self._forward_fused(x)
         weights, ids = self.route(self.gate(x))
-        out = fused_moe_reference(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = fused_moe_reference(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                                  self.experts.scales())
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        projected = F.linear(x, self.input_weight)
+        projected = self.input_proj(x)
         e = self.num_experts
         weights, ids = self.route(projected[:, :e])
-        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.experts.scales())
         if self.shared_expert is None:
             return out
         shared_gate = torch.sigmoid(projected[:, e : e + 1])

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine_service.cache.cache_spec import CacheLayout, attention_layout
@@ -41,7 +40,7 @@ from tandem.engine_service.layers.attention import (
 from tandem.engine_service.layers.backend_select import select_attention_backend
 from tandem.engine_service.layers.embedding import VocabEmbedding
 from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tandem.engine_service.layers.merged_linear import merge_column_linears
+from tandem.engine_service.layers.merged_linear import MergedColumnLinear
 from tandem.engine_service.layers.mlp import GatedMLP
 from tandem.engine_service.layers.norm import RMSNorm
 from tandem.engine_service.layers.rotary import RopeConfig, RotaryEmbedding, RotaryInputs, apply_rotary
@@ -120,9 +119,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, self.fused) if cfg.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, backend, cfg.windows[layer_id])
         if self.fused:
-            weight, bias = merge_column_linears([self.q_proj, self.k_proj, self.v_proj])
-            self.register_buffer("qkv_weight", weight, persistent=False)
-            self.register_buffer("qkv_bias", bias, persistent=False)
+            self.qkv = MergedColumnLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -151,7 +148,7 @@ class LlamaAttention(nn.Module):
         # them as they are (RoPE rotates q and k in place while it writes K/V to the cache, and
         # applies Qwen3's per-head q/k norm first, in the same kernel).
         t, d = x.shape[0], self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         q_end, k_end = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
         q = qkv[:, :q_end].view(t, self.num_heads, d)
         k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, d)
