@@ -215,3 +215,25 @@ def make_hf_checkpoint(tmp_path: Path, dummy_name: str, **overrides):
 def hf_checkpoint():
     """`make_hf_checkpoint`, for the parity tests of several modules."""
     return make_hf_checkpoint
+
+
+def can_allocate(bm, seq, num_new_tokens: int) -> bool:
+    """Whether `bm.allocate(seq, num_new_tokens)` would succeed, asked without side effects: the
+    lookup an admission makes, then every group manager's `fits` (only tests ask this)."""
+    hit = None if seq.block_tables[0] else bm.lookup(seq)
+    return all(m.fits(seq, num_new_tokens, hit) for m in bm.managers)
+
+
+def num_blocks_needed(bm, seq, num_new_tokens: int) -> int:
+    """New blocks `bm.allocate(seq, num_new_tokens)` would add to the primary group (prefix hits
+    not included)."""
+    hit = None if seq.block_tables[0] else bm.lookup(seq)
+    return bm.paged_managers[0].num_new_blocks(seq, num_new_tokens, hit)
+
+
+@pytest.fixture(scope="session")
+def allocation_probe():
+    """`can_allocate` and `num_blocks_needed`: what a `BlockManager.allocate` would do."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(can_allocate=can_allocate, num_blocks_needed=num_blocks_needed)

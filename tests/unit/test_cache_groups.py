@@ -211,12 +211,12 @@ def test_state_slot_taken_on_admission_and_returned_on_finish() -> None:
     assert a.state_slot is None and bm.state_slots.num_free == 2
 
 
-def test_admission_needs_a_slot_as_well_as_blocks() -> None:
+def test_admission_needs_a_slot_as_well_as_blocks(allocation_probe) -> None:
     bm = slot_manager(1)
     a, b = make_seq("a", [1, 2]), make_seq("b", [3, 4])
-    assert bm.can_allocate(b, 2)
+    assert allocation_probe.can_allocate(bm, b, 2)
     assert bm.allocate(a, 2)
-    assert not bm.can_allocate(b, 2)
+    assert not allocation_probe.can_allocate(bm, b, 2)
     used = bm.num_used_blocks
     assert not bm.allocate(b, 2)  # plenty of blocks, no slot: nothing changes
     assert b.block_table == [] and b.state_slot is None and bm.num_used_blocks == used

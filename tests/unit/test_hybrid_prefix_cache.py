@@ -190,7 +190,7 @@ def test_state_layout_without_checkpoints_gets_no_hits() -> None:
     d.drain()
     b = make_seq("b", list(range(20)) + [1])
     assert bm.match_prefix(b) == 0
-    assert bm._lookup(b)[2] == 5  # while K/V alone would hit 5 blocks
+    assert bm.lookup(b).kv_blocks == 5  # while K/V alone would hit 5 blocks
     assert [n for _, _, n in d.chunks] == [16, 4]  # the prefill cap alone decides (16 on CPU)
 
 

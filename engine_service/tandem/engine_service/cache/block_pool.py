@@ -1,7 +1,7 @@
 """One paged cache group's physical blocks: ids, ref counts, free list, LRU evictable set, hashes.
 
-The block manager (`kv_cache.py`) keeps one `BlockPool` per paged cache group and decides what
-to take and release; a pool only keeps the books of its own blocks.
+Each paged group manager (`paged_manager.py`) owns one `BlockPool` and decides what to take and
+release; a pool only keeps the books of its own blocks.
 """
 
 from __future__ import annotations
@@ -23,11 +23,19 @@ class Block:
 
 @dataclass(frozen=True)
 class PagedGroup:
-    """A paged cache group as the block manager sees it: a pool size and an optional window."""
+    """A paged cache group as the block manager sees it: a pool size, an optional window, and
+    the cache kind whose manager keeps its books (`CacheSpec.kind`; left empty, `sliding_window`
+    when a window is set, else `full_attention`)."""
 
     name: str
     num_blocks: int
     sliding_window: int | None = None
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            kind = "sliding_window" if self.sliding_window is not None else "full_attention"
+            object.__setattr__(self, "kind", kind)
 
 
 class BlockPool:
