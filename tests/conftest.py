@@ -8,6 +8,11 @@ import os
 # CI has no GPU: Triton kernels run under the interpreter. Triton reads this when it is first
 # imported, so it is set here, before any test module can import it (scripts/test.sh sets it too).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The test-only `dummy:tiny-*` models (tests/dummy_models), found through the search path the
+# product reads at every lookup; set in the environment so server subprocesses find them too.
+os.environ["TANDEM_DUMMY_MODELS_PATH"] = os.pathsep.join(
+    p for p in (os.path.join(os.path.dirname(os.path.abspath(__file__)), "dummy_models"),
+                os.environ.get("TANDEM_DUMMY_MODELS_PATH")) if p)
 import signal
 import socket
 import subprocess

@@ -37,8 +37,6 @@ from tandem.bench.workloads import BenchRequest, warmup_filling_steps
 
 log = structlog.get_logger(__name__)
 
-FULL_ATTENTION_SUFFIX = "-full-attention"
-
 
 @dataclass
 class PrefixOptions:
@@ -61,9 +59,9 @@ class PrefixOptions:
 
 def default_compare_model(model: str) -> str | None:
     """`dummy:<name>-full-attention` when that dummy config exists, else None."""
-    from tandem.engine_service.dummy_configs import DUMMY_CONFIGS
+    from tandem.engine_service.dummy_configs import FULL_ATTENTION_SUFFIX, dummy_config_names
 
-    if model.startswith("dummy:") and f"{model[len('dummy:'):]}{FULL_ATTENTION_SUFFIX}" in DUMMY_CONFIGS:
+    if model.startswith("dummy:") and f"{model[len('dummy:'):]}{FULL_ATTENTION_SUFFIX}" in dummy_config_names():
         return model + FULL_ATTENTION_SUFFIX
     return None
 

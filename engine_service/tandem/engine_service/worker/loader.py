@@ -6,7 +6,8 @@ Specs:
   cache (downloaded when allowed; see `tandem.model_spec`);
 - a path to a `.gguf` file: dequantised once into the cache, then loaded as safetensors;
 - a path to a Hugging Face directory (`config.json`, `*.safetensors`, tokenizer files);
-- `dummy:<name>`: a built-in config (`dummy_configs.py`) with seeded random weights.
+- `dummy:<name>`: a config from `dummy_models/<name>.json` or `$TANDEM_DUMMY_MODELS_PATH`
+  (`dummy_configs.py`) with seeded random weights.
 """
 
 from __future__ import annotations
