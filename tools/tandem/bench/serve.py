@@ -252,8 +252,8 @@ def run_serve(record: BenchRecord, engine_config: Any, engine_flags: list[str], 
     # As many as the highest level runs at once, so the batch shapes of every level are met too.
     # Then one pass per level at that level's concurrency: arrivals staggered by finishing
     # requests give the mixed prefill + decode steps of the measured run, whose kernel shapes
-    # the all-at-once pass does not meet (at 3df50f2-fc06df2 the first measured level of the
-    # first side still paid a ~1.7 s compile stall: TTFT max 1.7 s served vs 0.1 s in-process).
+    # the all-at-once pass does not meet (without these passes the first measured level of the
+    # first side pays a compile stall of ~1.7 s in its TTFT; bench/NOTES.md).
     lens = warmup_prompt_lens(workload.requests)
     warm: list[tuple[list[BenchRequest], int]] = [
         (warmup_requests(vocab, max(options.warmup_requests, max(options.concurrencies)), lens), 0)]

@@ -12,7 +12,7 @@ Invariants (the pure functions below; `serve.py` runs what they describe):
   The order of a round is the side list for even rounds and its reverse for odd ones, so with
   two sides round 0 is served then in-process, round 1 in-process then served, and so on.
 - `schedule`: with one round every side opens, runs its levels and closes before the next opens
-  (the run of before rounds existed: one engine on the device at a time); with more, every side
+  (one engine on the device at a time); with more, every side
   opens before round 0 and closes after the last round, so setup, warm-up and compile stalls all
   happen before any measured level.
 - `round_slices`: round r of level i gets its own requests, the same on every side; round 0 is
@@ -20,7 +20,7 @@ Invariants (the pure functions below; `serve.py` runs what they describe):
   so no round finds another round's prompts in a prefix cache.
 - Within a round each side's level may take `1/len(order)` of what is left of the round, except
   the round's last side, which may take the rest (with one round and the in-process side last,
-  as before rounds existed); `--level-seconds` caps every level. Round r's budget is
+  the single-round run); `--level-seconds` caps every level. Round r's budget is
   `1/(N - r)` of what is left of the run when it starts, so time a round did not use passes on.
 - A level's round is usable when every side has figures there that were neither skipped nor
   timed out and completed every request; the others are marked (`cut_short`) and left out of

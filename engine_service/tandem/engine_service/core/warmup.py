@@ -4,9 +4,8 @@ Why: Triton compiles a kernel the first time it runs with a new set of constexpr
 specialised integer arguments. Prefill steps of a hybrid or MoE model pick several of those from
 the step's shape (the fused MoE's tile sizes from its token count, the attention kernels' split
 counts, ...), so without a warm-up the first steps of each new shape class stall while kernels
-compile: at e8ebd11 on an H200 the first three prefill steps of `bench throughput` took 1.0-3.2 s
-against 12 ms for the rest (Qwen3-Next layer shapes), 1.6 s for Qwen3-30B-A3B. A user's first
-requests would wait those seconds. CUDA graphs cover the decode shapes; this covers the rest.
+compile, each for seconds on an H200 where a compiled prefill step of Qwen3-Next's layer shapes
+takes ~12 ms (bench/NOTES.md has the figures). A user's first requests would wait those seconds. CUDA graphs cover the decode shapes; this covers the rest.
 
 What runs: prompts of every power of two from 16 tokens up to a full step
 (`max_num_batched_tokens`, bounded by the context), each also 7 tokens longer (off the

@@ -1,6 +1,6 @@
 """KV connector: moves a prompt's KV blocks from a producer engine to a consumer engine.
 
-Disaggregated prefill/decode (issue #12) runs a request in two legs: a producer engine prefills
+Disaggregated prefill/decode runs a request in two legs: a producer engine prefills
 the prompt and keeps its blocks under a lease; a consumer engine pulls the blocks it does not
 already hold in its own prefix cache, then decodes. The connector has the two sides vLLM's
 connector interface has, meeting in the step plan:

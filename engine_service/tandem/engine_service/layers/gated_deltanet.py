@@ -25,10 +25,10 @@ decode* (one scheduled token, `has_initial_state`) runs the single-token kernels
 chunks, fresh rows, including a fresh one-token prompt) the varlen prefill kernels
 (`causal_conv1d_prefill`, `chunk_gated_delta_rule`). A decode token thus gets the same numerics
 whether or not other requests prefill in its step (greedy near-ties otherwise flip between
-overlapped and plain scheduling), and it no longer pays for the chunk kernel. Three cases:
+overlapped and plain scheduling), and it never pays for the chunk kernel. Three cases:
 
 - a pure state decode (`metadata.is_state_decode`; what the CUDA graphs capture): the
-  single-token kernels over the whole step, as before;
+  single-token kernels over the whole step;
 - a step without any state decode (`metadata.state_split` None): the varlen kernels over it all;
 - a mixed step: `metadata.state_split` (built on the host with the step's other arrays, so no
   sync) lists the rows decodes first. The split is per layer, inside it: the layer gathers its
@@ -37,7 +37,7 @@ overlapped and plain scheduling), and it no longer pays for the chunk kernel. Th
   ones on the rest, and scatters its output back to step order. Reordering the whole step
   instead would touch every consumer of row order (attention metadata, logits rows, sampled
   tokens, pending-token rows, KV transfer); one gather and one scatter of `[T, hidden]` per GDN
-  layer is cheap next to the chunk kernel the decode rows no longer run.
+  layer is cheap next to the chunk kernel the decode rows skip.
 
 Only the state kernels are made row-invariant here: the projections' matmuls still round by the
 step's row count (BLAS picks its tiling by shape), as in every other layer.
