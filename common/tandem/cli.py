@@ -12,6 +12,7 @@ appear only with `--log-level debug`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -22,16 +23,20 @@ import threading
 from tandem import options
 from tandem.cli_options import (
     DEFAULT_ENGINE_ADDRESS,
-    ENGINE_SERVER_DEFAULTS,
     ClientArgs,
     EngineCoreArgs,
+    EngineServerArgs,
     FrontendArgs,
+    FrontendServingArgs,
     MetricsArgs,
     ServeArgs,
     ServerArgs,
 )
-from tandem.engine_service.config import KVTransferConfig
 from tandem.startup_checks import StartupError
+
+# The engine distribution is optional for the frontend and client commands: nothing here imports
+# it at module level, and `serve`, `engine` and `bench` are offered only where it is installed.
+ENGINE_PACKAGE = "tandem.engine_service"
 
 
 # -- engine flags (their declaration: engine_service/config.py; tests call these two) --------------
@@ -58,7 +63,8 @@ def _security(args, prefix: str = ""):
 
 
 def _metrics_options(args) -> dict:
-    return {"metrics_host": args.metrics_host or args.host, "metrics_port": args.metrics_port}
+    """The metrics endpoint's bind address: --metrics-host, else the service's own --host."""
+    return {"metrics_host": args.metrics_host or args.host}
 
 
 def _engine_metrics_argv(args, offset: int = 0) -> list[str]:
@@ -109,29 +115,17 @@ def cmd_engine(args) -> int:
     startup_checks.check_pem_files(args)
     from tandem.engine_service.api.app import EngineServerOptions, run_engine
 
-    server = options.from_args(ServerArgs, args)
-    return run_engine(_engine_config(args), EngineServerOptions(host=server.host, port=server.port,
-                                                                default_max_tokens=server.default_max_tokens,
-                                                                drain_timeout=server.drain_timeout,
-                                                                security=_security(args),
-                                                                reflection=server.enable_reflection,
-                                                                fail_after_steps=_fault_after_steps(),
-                                                                engine_core=args.engine_core,
-                                                                log_level=args.log_level,
-                                                                log_format=args.log_format,
-                                                                **_metrics_options(args)))
+    return run_engine(_engine_config(args), options.from_args(
+        EngineServerOptions, args, security=_security(args), fail_after_steps=_fault_after_steps(),
+        log_level=args.log_level, log_format=args.log_format, **_metrics_options(args)))
 
 
 def _frontend_options(args, engines: list[str], prefill: list[str] | None = None, decode: list[str] | None = None):
     from tandem.frontend.app import FrontendOptions
 
-    server = options.from_args(ServerArgs, args)
-    return FrontendOptions(host=server.host, port=server.port, engines=engines, tokenizer_path=args.tokenizer,
-                           prefill_engines=list(prefill or []), decode_engines=list(decode or []),
-                           served_model_name=args.served_model_name, default_max_tokens=server.default_max_tokens,
-                           drain_timeout=server.drain_timeout, security=_security(args),
-                           engine_security=_security(args, "engine-"), reflection=server.enable_reflection,
-                           engine_transport=args.engine_transport, **_metrics_options(args))
+    return options.from_args(FrontendOptions, args, engines=engines, prefill_engines=list(prefill or []),
+                             decode_engines=list(decode or []), security=_security(args),
+                             engine_security=_security(args, "engine-"), **_metrics_options(args))
 
 
 def _disaggregated_engines(args) -> tuple[list[str], list[str]]:
@@ -172,20 +166,37 @@ def _child_env(parser_for_engine: argparse.ArgumentParser) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in names}
 
 
-def _kv_role_argv(args, role: str) -> list[str]:
+def _kv_producer_address(args) -> str:
+    """`serve --disaggregated`: where the prefill engine serves KV pulls: --kv-transfer-address
+    when one was given with a port, else a free port of --engine-host, picked now so that the
+    decode engine can be told to trust exactly that address (`--kv-producer`)."""
+    import socket
+
+    from tandem.engine_service.config import KVTransferConfig
+
+    given = args.transfer_address
+    if given == KVTransferConfig.transfer_address:
+        given = f"{args.engine_host}:0"
+    host, _, port = given.rpartition(":")
+    if port != "0":
+        return given
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host.strip("[]"), 0))
+        return f"{host}:{probe.getsockname()[1]}"
+
+
+def _kv_role_argv(args, role: str, producer_address: str) -> list[str]:
     """`serve --disaggregated`: an engine child's KV role, after the shared engine flags (the
-    later flag wins). The producer serves pulls on --kv-transfer-address when one was given, else
-    on a free port of --engine-host; a given --kv-engine-id gets the role as a suffix."""
+    later flag wins). The producer serves pulls on `producer_address`; the consumer trusts it
+    (`--kv-producer`); a given --kv-engine-id gets the role as a suffix."""
     argv = ["--kv-role", role]
     if role == "producer":
-        given = args.transfer_address
-        argv += ["--kv-transfer-address", given if given != _DEFAULT_KV_ADDRESS else f"{args.engine_host}:0"]
+        argv += ["--kv-transfer-address", producer_address]
+    else:
+        argv += ["--kv-producer", producer_address]
     if args.engine_id:
         argv += ["--kv-engine-id", f"{args.engine_id}-{'prefill' if role == 'producer' else 'decode'}"]
     return argv
-
-
-_DEFAULT_KV_ADDRESS = KVTransferConfig.transfer_address
 
 
 def cmd_serve(args) -> int:
@@ -218,22 +229,23 @@ def cmd_serve(args) -> int:
         decode_addr = f"{args.engine_host}:{decode_port}"
         frontend_options = _frontend_options(args, [engine_addr, decode_addr], [engine_addr], [decode_addr])
         # The decode engine's metrics (if asked) on the next port up.
-        engines = [(args.engine_port, _kv_role_argv(args, "producer"), _engine_metrics_argv(args)),
-                   (decode_port, _kv_role_argv(args, "consumer"), _engine_metrics_argv(args, offset=1))]
+        kv_address = _kv_producer_address(args)
+        engines = [(args.engine_port, _kv_role_argv(args, "producer", kv_address), _engine_metrics_argv(args)),
+                   (decode_port, _kv_role_argv(args, "consumer", kv_address), _engine_metrics_argv(args, offset=1))]
     else:
         frontend_options = _frontend_options(args, [engine_addr])
         engines = [(args.engine_port, [], _engine_metrics_argv(args))]
     engine_security = frontend_options.engine_security
     # The engine child gets the server side of the engine hop; its token travels in the env.
     child_security_argv, child_env = engine_child_security(engine_security)
-    server = options.from_args(ServerArgs, args)
     children = [subprocess.Popen(
         [sys.executable, "-P", "-m", "tandem.cli", "--log-level", args.log_level, "--log-format", args.log_format,
          "engine", "--host", args.engine_host, "--port", str(port),
-         "--default-max-tokens", str(server.default_max_tokens), "--drain-timeout", str(server.drain_timeout)]
+         "--default-max-tokens", str(frontend_options.default_max_tokens),
+         "--drain-timeout", str(frontend_options.drain_timeout)]
         + _engine_flags(args) + role_argv + ["--engine-core", args.engine_core] + child_security_argv
         + metrics_argv
-        + (["--enable-reflection"] if server.enable_reflection else []),
+        + (["--enable-reflection"] if frontend_options.enable_reflection else []),
         env={**_child_env(args.engine_parser), **child_env},
     ) for port, role_argv, metrics_argv in engines]
 
@@ -300,7 +312,7 @@ def cmd_serve(args) -> int:
                                   args.log_format == "json", on_ready=announce_ready)
     finally:
         stopping.set()
-        stop_children(server.drain_timeout + 10)
+        stop_children(frontend_options.drain_timeout + 10)
     if engine_died.is_set():
         code = died_code[0] if died_code else 1
         return rc or (code if code and code > 0 else 1)
@@ -370,6 +382,14 @@ def cmd_chat(args) -> int:
 # -- the parser -----------------------------------------------------------------------------------
 
 
+def engine_installed() -> bool:
+    """Whether the engine distribution is importable (found without importing it)."""
+    try:
+        return importlib.util.find_spec(ENGINE_PACKAGE) is not None
+    except ImportError:
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tandem.security import add_security_args
 
@@ -380,27 +400,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log lines as JSON records or readable text; auto: console on a terminal, "
                              "json otherwise")
     sub = parser.add_subparsers(dest="command", required=True)
+    with_engine = engine_installed()
 
-    serve = sub.add_parser("serve", help="engine + frontend together")
-    options.add_engine_flags(serve)
-    options.add_flags(serve, ServerArgs, title="frontend server")
-    options.add_flags(serve, FrontendArgs, {"engine_transport": "mux"}, title="frontend",
-                      skip=("engine", "workers", "engine_connect_timeout", "prefill_engine", "decode_engine"))
-    options.add_flags(serve, ServeArgs, {"frontend_workers": "auto"}, title="engine child and frontend workers")
-    options.add_flags(serve, EngineCoreArgs, title="engine core")
-    options.add_flags(serve, MetricsArgs, title="metrics (the frontend's)")
-    add_security_args(serve, admin=True)  # clients → frontend
-    add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
-    serve.set_defaults(fn=cmd_serve)
+    if with_engine:
+        serve = sub.add_parser("serve", help="engine + frontend together")
+        options.add_engine_flags(serve)
+        options.add_flags(serve, ServerArgs, title="frontend server")
+        options.add_flags(serve, FrontendServingArgs, {"engine_transport": "mux"}, title="frontend")
+        options.add_flags(serve, ServeArgs, {"frontend_workers": "auto"}, title="engine child and frontend workers")
+        options.add_flags(serve, EngineCoreArgs, title="engine core")
+        options.add_flags(serve, MetricsArgs, title="metrics (the frontend's)")
+        add_security_args(serve, admin=True)  # clients → frontend
+        add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
+        serve.set_defaults(fn=cmd_serve)
 
-    engine = sub.add_parser("engine", help="the engine service alone")
-    options.add_engine_flags(engine)
-    options.add_flags(engine, ServerArgs, ENGINE_SERVER_DEFAULTS, title="engine server")
-    options.add_flags(engine, MetricsArgs, title="metrics")
-    options.add_flags(engine, EngineCoreArgs, title="engine core")
-    add_security_args(engine)
-    engine.set_defaults(fn=cmd_engine)
-    serve.set_defaults(engine_parser=engine)
+        engine = sub.add_parser("engine", help="the engine service alone")
+        options.add_engine_flags(engine)
+        options.add_flags(engine, EngineServerArgs, title="engine server")
+        options.add_flags(engine, MetricsArgs, title="metrics")
+        options.add_flags(engine, EngineCoreArgs, title="engine core")
+        add_security_args(engine)
+        engine.set_defaults(fn=cmd_engine)
+        serve.set_defaults(engine_parser=engine)
 
     front = sub.add_parser("frontend", help="the frontend alone, in front of one or more engines")
     options.add_flags(front, ServerArgs, title="frontend server")
@@ -424,9 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_args(chat, server=False, client=True)
     chat.set_defaults(fn=cmd_chat)
 
-    from tandem.bench.cli import add_bench_parser
+    if with_engine and importlib.util.find_spec("tandem.bench") is not None:
+        from tandem.bench.cli import add_bench_parser
 
-    add_bench_parser(sub)  # tandem bench roofline|throughput|serve|report
+        add_bench_parser(sub)  # tandem bench roofline|throughput|serve|report
     options.finish_parser(parser)
     return parser
 

@@ -1,9 +1,12 @@
 """The non-engine options of the `tandem` subcommands, declared once as dataclass fields.
 
 `tandem.options` turns each field into a flag, a `TANDEM_*` environment variable and a
-`--config` key (the engine's own fields live in `engine_service/config.py`). Subcommands that
-share a field but not its default (the frontend listens on 0.0.0.0:50051, the engine on
-127.0.0.1:50052) pass per-command defaults to `add_flags`.
+`--config` key (the engine's own fields live in `engine_service/config.py`). The servers'
+option classes (`frontend/app.py` FrontendOptions, `engine_service/api/app.py`
+EngineServerOptions) are subclasses of these, so a setting's default and help are written once
+and the CLI builds the options with `tandem.options.from_args`. Where the engine's default
+differs (it listens on 127.0.0.1:50052, the frontend on 0.0.0.0:50051), `EngineServerArgs`
+redeclares only the default, keeping the field's flag metadata.
 """
 
 from __future__ import annotations
@@ -33,21 +36,42 @@ class ServerArgs:
     enable_reflection: bool = _opt(False, "serve grpc.reflection")
 
 
-ENGINE_SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 50052}
+def _redefault(cls, name: str, default):
+    """Field `name` of dataclass `cls` with another default (same flag, help and metadata)."""
+    return field(default=default, metadata=cls.__dataclass_fields__[name].metadata)
 
 
 @dataclass
-class FrontendArgs:
-    """What a frontend needs beyond its address: its engines, tokenizer, name and workers."""
+class EngineServerArgs(ServerArgs):
+    """ServerArgs of the engine service: a private address, the port after the frontend's."""
 
-    engine: list[str] | None = _opt(None, "engine address; repeat for replicas (default: 127.0.0.1:50052)",
-                                    metavar="HOST:PORT")
+    host: str = _redefault(ServerArgs, "host", "127.0.0.1")
+    port: int = _redefault(ServerArgs, "port", 50052)
+
+
+@dataclass
+class FrontendServingArgs:
+    """What a frontend process reads to serve: tokenizer, model name, engine transport."""
+
     tokenizer: str | None = _opt(None, "model directory with the tokenizer (default: the engine's)")
     served_model_name: str | None = _opt(None, "model name clients may ask for (default: the engine's --model)")
     engine_transport: str = _opt("stream", "frontend-engine transport: a Stream call per choice, or one "
                                            "multiplexed stream per engine (the faster one at high concurrency; "
                                            "tandem serve's default)",
                                  choices=("stream", "mux"))
+    trust_kv_callers: bool = _opt(False, "callers may send KV transfer parameters and see the ones engines return "
+                                         "(pull address, lease, its secret, block ids): only for a router on a "
+                                         "private network; off, such parameters are refused (PERMISSION_DENIED) "
+                                         "and replies carry their extra fields only")
+
+
+@dataclass
+class FrontendArgs(FrontendServingArgs):
+    """What `tandem frontend` resolves before it starts one: its engines (or two pools), its
+    worker count and how long it waits for the engines to accept connections."""
+
+    engine: list[str] | None = _opt(None, "engine address; repeat for replicas (default: 127.0.0.1:50052)",
+                                    metavar="HOST:PORT")
     prefill_engine: list[str] | None = _opt(None, "disaggregated prefill/decode: a prefill engine (--kv-role "
                                                   "producer or both); repeat for a pool. With --decode-engine, "
                                                   "every request runs a prefill leg here and a decode leg there "

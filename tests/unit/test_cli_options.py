@@ -160,3 +160,59 @@ def test_serve_does_not_hand_its_own_variables_to_the_engine_child(monkeypatch):
     assert "TANDEM_PORT" not in env and "TANDEM_TLS_CERT" not in env
     assert env["TANDEM_CACHE_DIR"] == "/cache" and env["TANDEM_TORCH_THREADS"] == "2"
     assert args.port == 6000
+
+
+def test_server_options_are_built_from_the_flag_dataclasses():
+    """FrontendOptions and EngineServerOptions extend the flag classes: their defaults are the
+    flags' defaults (no second declaration), and the CLI builds them with from_args."""
+    from tandem import cli
+    from tandem.cli_options import EngineServerArgs, FrontendServingArgs, MetricsArgs, ServerArgs
+    from tandem.engine_service.api.app import EngineServerOptions
+    from tandem.frontend.app import FrontendOptions
+
+    assert issubclass(FrontendOptions, (ServerArgs, FrontendServingArgs, MetricsArgs))
+    assert issubclass(EngineServerOptions, (EngineServerArgs, MetricsArgs))
+    for command, cls, built in (
+            ("frontend", FrontendOptions, lambda args: cli._frontend_options(args, ["e:1"])),
+            ("engine", EngineServerOptions, lambda args: options.from_args(cls, args))):
+        args = options.parse_args(build_parser(), [command], environ={})
+        flagged = {f.name for f in dataclasses.fields(cls) if "help" in f.metadata}
+        assert flagged and all(getattr(args, name) == getattr(cls(), name) for name in flagged), command
+    engine = options.from_args(EngineServerOptions, options.parse_args(build_parser(), ["engine"], environ={}))
+    assert (engine.host, engine.port, engine.metrics_host) == ("127.0.0.1", 50052, None)
+    argv = ["frontend", "--port", "7000", "--default-max-tokens", "9", "--enable-reflection", "--tokenizer", "/t",
+            "--served-model-name", "m", "--engine-transport", "mux", "--metrics-port", "9100"]
+    front = cli._frontend_options(options.parse_args(build_parser(), argv, environ={}), ["e:1"])
+    assert (front.port, front.default_max_tokens, front.enable_reflection, front.tokenizer, front.served_model_name,
+            front.engine_transport, front.metrics_port, front.metrics_host, front.engines) == (
+        7000, 9, True, "/t", "m", "mux", 9100, "0.0.0.0", ["e:1"])
+
+
+def test_frontend_and_client_commands_need_no_engine_installed():
+    """An install without the engine distribution (the slim frontend image): `tandem frontend`,
+    `chat` and `generate` parse and build their options without importing it or torch, and the
+    commands that need it are not offered."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib.abc, sys
+class NoEngine(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith(("tandem.engine_service", "tandem.bench")):
+            raise ModuleNotFoundError(name)  # the engine and tools distributions are not installed
+sys.meta_path.insert(0, NoEngine())
+from tandem import cli, options
+parser = cli.build_parser()
+subs = parser._subparsers._group_actions[0].choices
+assert sorted(subs) == ["chat", "frontend", "generate"], sorted(subs)
+front = cli._frontend_options(options.parse_args(parser, ["frontend"], environ={}), ["e:1"])
+assert front.port == 50051 and front.host == "0.0.0.0"
+options.parse_args(parser, ["chat", "hi", "--max-tokens", "3"], environ={})
+options.parse_args(parser, ["generate", "hi", "--stream"], environ={})
+bad = [m for m in sys.modules if m == "torch" or m.startswith("tandem.engine_service")]
+assert not bad, bad
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -11,6 +11,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
+from tandem.cli_options import DEFAULT_ENGINE_ADDRESS, FrontendServingArgs, MetricsArgs, ServerArgs
 from tandem.frontend.abort_relay import AbortRelay, socket_address
 from tandem.frontend.disaggregation import DisaggregatedPools
 from tandem.frontend.engine_pool import EnginePool
@@ -33,25 +34,23 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
-class FrontendOptions:
-    """Everything `serve_frontend` needs, validated by the CLI that builds it."""
+class FrontendOptions(ServerArgs, FrontendServingArgs, MetricsArgs):
+    """Everything `serve_frontend` needs, validated by the CLI that builds it.
 
-    host: str = "0.0.0.0"
-    port: int = 50051
-    engines: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"])
-    tokenizer_path: str | None = None  # default: the engine's model directory
-    served_model_name: str | None = None
-    default_max_tokens: int = 256
-    drain_timeout: float = 30.0
+    The settings that are flags (address, request defaults, reflection, tokenizer, served name,
+    engine transport, metrics) are the fields of the `tandem.cli_options` classes it extends,
+    declared there once; the CLI fills them with `tandem.options.from_args`. A `metrics_host` of
+    None binds the service's own `host`; a `tokenizer` of None loads the engine's model directory.
+    The fields below are what the CLI resolves (engine lists, credentials) or the worker
+    launcher sets.
+    """
+
+    engines: list[str] = field(default_factory=lambda: [DEFAULT_ENGINE_ADDRESS])
     engine_wait_timeout: float = 900.0
     security: SecurityOptions = field(default_factory=SecurityOptions)  # clients → frontend (server side)
     engine_security: SecurityOptions = field(default_factory=SecurityOptions)  # frontend → engines (client side)
-    metrics_host: str | None = None  # None: the service's own `host` (same interface policy)
-    metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
     tokenizer_workers: int = 2  # threads tokenizing prompts, each with its own tokenizer
     max_pending_tokenize: int = 256  # prompts queued for those threads before RESOURCE_EXHAUSTED
-    reflection: bool = False  # serve grpc.reflection
-    engine_transport: str = "stream"  # "stream" (a call per choice) or "mux" (one stream per engine)
     listen_when_ready: bool = False  # extra workers on a shared port listen only once ready
     # Disaggregated prefill/decode: both set (they replace `engines`), every request runs a
     # prefill leg on one of `prefill_engines` and a decode leg on one of `decode_engines`.
@@ -93,7 +92,7 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool,
     await pools.wait_ready(timeout=options.engine_wait_timeout)
     info = pools.limits_info()
     ready = next(r for r in pool.replicas if r.model_info)
-    path = options.tokenizer_path or ready.model_info.get("model_path")
+    path = options.tokenizer or ready.model_info.get("model_path")
     if not path:
         raise RuntimeError("no tokenizer: pass --tokenizer (the engine serves a model without one)")
     loop = asyncio.get_running_loop()
@@ -146,14 +145,15 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     if options.relay_dir is not None and options.num_workers > 1:
         relay = AbortRelay(options.relay_dir, options.worker_index, options.num_workers)
     servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(disaggregated or pool, registry),
-                                access=options.security.access_policy(), disaggregated=disaggregated, relay=relay)
+                                access=options.security.access_policy(), disaggregated=disaggregated, relay=relay,
+                                trust_kv_callers=options.trust_kv_callers)
     metrics_host = options.metrics_host if options.metrics_host is not None else options.host
     metrics_endpoint = (
         start_metrics_endpoint(registry, metrics_host, options.metrics_port)
         if options.metrics_port is not None else None
     )
     add_service(server, servicer, frontend_pb2.DESCRIPTOR.services_by_name["Frontend"])
-    if options.reflection:
+    if options.enable_reflection:
         enable_reflection(server, [frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name])
     if options.listen_when_ready:
         # An extra worker on a shared port: the kernel would hand it connections at once, so it

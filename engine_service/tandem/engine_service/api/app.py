@@ -10,6 +10,7 @@ request in flight and makes this process exit non-zero.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
+from tandem.cli_options import EngineCoreArgs, EngineServerArgs, MetricsArgs
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.api.core_client import CoreClient
 from tandem.engine_service.api.metrics import EngineMetrics
@@ -36,17 +38,17 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
-class EngineServerOptions:
-    host: str = "127.0.0.1"
-    port: int = 50052
-    default_max_tokens: int = 256
-    drain_timeout: float = 30.0
+class EngineServerOptions(EngineServerArgs, MetricsArgs, EngineCoreArgs):
+    """Everything `serve_engine` needs besides the engine's config.
+
+    The settings that are flags (address, request defaults, reflection, metrics, where the core
+    runs) are the fields of the `tandem.cli_options` classes it extends, declared there once;
+    the CLI fills them with `tandem.options.from_args`. A `metrics_host` of None binds the
+    service's own `host`. The fields below are what the CLI resolves or passes on.
+    """
+
     security: SecurityOptions = field(default_factory=SecurityOptions)  # TLS/mTLS and token
-    metrics_host: str = "0.0.0.0"
-    metrics_port: int | None = None  # Prometheus /metrics endpoint; None: not served
-    reflection: bool = False  # serve grpc.reflection
     fail_after_steps: int | None = None  # testing only: inject a fatal engine error
-    engine_core: str = "process"  # "process": the core in its own process; "thread": in this one
     log_level: str = "info"  # passed on to the core process
     log_format: str = "json"
 
@@ -54,8 +56,18 @@ class EngineServerOptions:
 ENGINE_CORE_MODES = ("process", "thread")
 
 
+def with_engine_credentials(config: EngineConfig, security: SecurityOptions) -> EngineConfig:
+    """`config` whose KV pull port carries the engine service's own credentials: its tokens
+    (an admin token is a client token too) and its TLS certificate, key and client CA."""
+    kv = dataclasses.replace(config.kv_transfer, auth_tokens=security.tokens + security.admin_tokens,
+                             tls_cert=security.tls_cert, tls_key=security.tls_key,
+                             tls_client_ca=security.tls_client_ca)
+    return dataclasses.replace(config, kv_transfer=kv)
+
+
 async def start_core(config: EngineConfig, options: EngineServerOptions) -> CoreClient:
     """Loads the model in a core process (or on a thread here) and returns its client."""
+    config = with_engine_credentials(config, options.security)
     if options.engine_core == "process":
         from tandem.engine_service.api.mp_client import MultiprocessCoreClient
 
@@ -82,7 +94,7 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     health = await add_health(server, SERVICE_NAME)
     servicer = EngineServicer()
     add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Engine"])
-    if options.reflection:
+    if options.enable_reflection:
         enable_reflection(server, [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name])
     bound = add_port(server, f"{options.host}:{options.port}", options.security)
     if bound == 0:
@@ -95,7 +107,8 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     # "loading" from "down".
     registry = new_registry()
     metrics_endpoint = (
-        start_metrics_endpoint(registry, options.metrics_host, options.metrics_port)
+        start_metrics_endpoint(registry, options.metrics_host if options.metrics_host is not None else options.host,
+                               options.metrics_port)
         if options.metrics_port is not None else None
     )
 
