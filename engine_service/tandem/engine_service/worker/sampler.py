@@ -11,8 +11,10 @@ Processing order for every row (vectorised across the batch, per-row parameters 
    then one draw with the exponential race ``argmax(probs / q), q ~ Exp(1)``.
 
 The top-k / top-p / min-p filter is one function with two implementations: on CUDA the sort-free
-Triton kernel ``tandem.kernels.sampling.apply_top_k_top_p_min_p``, elsewhere its PyTorch twin
-(a partial ``topk`` when no row uses top-p, else the kernel's sort-based reference). Both keep the
+Triton kernel ``tandem.kernels.sampling.apply_top_k_top_p_min_p`` when some row uses top-p or
+min-p (a batch whose rows use top-k alone keeps the partial ``topk``, which was faster on an H200:
+bench/NOTES.md), elsewhere its PyTorch twin (a partial ``topk`` when no row uses top-p, else the
+kernel's sort-based reference). Both keep the
 same set: a token tied with a kept token is kept (top-k keeps every logit equal to the k-th;
 top-p keeps token i iff the mass of strictly more likely survivors is < p), so the result does
 not depend on the order a sort gives equal logits. They differ only by float rounding of a
@@ -70,9 +72,10 @@ class Sampler:
     ``vocab_size``: the real vocabulary size. When given, logits columns at or beyond it are
     padding (lm heads are often padded to a multiple of 64/128) and are never sampled nor
     reported in logprobs. ``seed`` seeds the generator shared by unseeded rows (None: random).
-    ``filter_kernel``: run top-k / top-p / min-p through the Triton kernel (True; on CPU only
-    under ``TRITON_INTERPRET=1``, for tests) or the PyTorch twin (False); None picks the kernel
-    on CUDA when Triton is installed. Either way the noise, and so per-request seeding, is the same.
+    ``filter_kernel``: run top-p / min-p batches through the Triton kernel (True; on CPU only
+    under ``TRITON_INTERPRET=1``, for tests) or everything through the PyTorch twin (False); None
+    picks the kernel on CUDA when Triton is installed. Either way the noise, and so per-request
+    seeding, is the same.
     """
 
     def __init__(self, vocab_size: int | None = None, seed: int | None = None,
@@ -343,8 +346,9 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 def _filter_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams], use_kernel: bool) -> torch.Tensor:
     """Mask to -inf what top-k, top-p and min-p remove (module docstring: the kept set).
 
-    The kernel runs over every row in place (rows without a filter pass through unchanged); the
-    PyTorch twin works on the filtered rows only and sorts only when one of them uses top-p.
+    With `use_kernel`, a batch where some row uses top-p or min-p runs the kernel over every row
+    in place (rows without a filter pass through unchanged). Otherwise the PyTorch twin works on
+    the filtered rows only and sorts only when one of them uses top-p.
     """
     vocab = logits.shape[1]
     device = logits.device
@@ -354,7 +358,7 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]
     rows = [i for i in range(len(params)) if ks[i] or ps[i] < 1.0 or min_ps[i] > 0.0]
     if not rows:
         return logits
-    if use_kernel:
+    if use_kernel and (any(p < 1.0 for p in ps) or any(min_ps)):
         return apply_top_k_top_p_min_p(
             logits,
             _to_device(ks, torch.int32, device) if any(ks) else None,
