@@ -4,6 +4,7 @@ install (the slim frontend image's promise, docs/architecture.md)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +27,11 @@ def slim_venv(tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("slim") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     constraints = _pinned_constraints(venv.parent / "constraints.txt")
+    # Built from copies: an in-tree build would leave build/ and *.egg-info folders in the checkout.
+    sources = [shutil.copytree(REPO / dist, venv.parent / "src" / dist, ignore=shutil.ignore_patterns(
+        "__pycache__", "build", "*.egg-info")) for dist in ("protos", "common", "frontend")]
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    "-c", str(constraints), str(REPO / "protos"), str(REPO / "common"), str(REPO / "frontend")],
-                   check=True, timeout=900)
+                    "-c", str(constraints), *map(str, sources)], check=True, timeout=900)
     return venv
 
 

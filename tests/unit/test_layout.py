@@ -15,7 +15,9 @@ DISTRIBUTIONS = ("protos", "common", "frontend", "kernels", "engine_service", "t
 
 
 def _module_files(dist: str) -> list[Path]:
-    return sorted(p for p in (REPO / dist).rglob("*.py") if "__pycache__" not in p.parts)
+    # Build output (build/, *.egg-info) is not source: git ignores it, and so does this check.
+    return sorted(p for p in (REPO / dist).rglob("*.py")
+                  if not {"__pycache__", "build"} & set(p.parts) and not any(x.endswith(".egg-info") for x in p.parts))
 
 
 def _module_name(dist: str, path: Path) -> str:
