@@ -131,8 +131,8 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
       prompt followed by it; its KV is computed by the decoder).
     - `lease_id`, `lease_expiry_unix`: the producer holds the blocks under this lease until the
       consumer releases it or the wall-clock time `lease_expiry_unix` passes (then they are freed).
-    - `remote_transport`: how to pull (`"tcp"` or `"cuda_ipc"`); `block_size`: the producer's
-      tokens per block (the consumer refuses a mismatch).
+    - `remote_transport`: how to pull (`"tcp"`, `"cuda_ipc"` or `"nixl"`); `block_size`: the
+      producer's tokens per block (the consumer refuses a mismatch).
 
     Fields this struct does not name travel in `extra` untouched.
     """

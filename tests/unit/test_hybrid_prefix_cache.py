@@ -544,12 +544,6 @@ LOGPROB_ATOL = 2e-4
 HYBRID_FAMILIES = ["tiny-qwen3.5", "tiny-qwen3-next"]
 
 
-def _needs_moe(name: str) -> None:
-    """Qwen3-Next's sparse MoE block comes with helper moe's branch (merged by the integrator)."""
-    if name == "tiny-qwen3-next":
-        pytest.importorskip("tandem.engine_service.layers.moe", reason="Qwen3-Next needs the MoE block (branch moe)")
-
-
 def make_hf_hybrid(tmp_path, dummy_name: str):
     """A seeded transformers hybrid model of the dummy config, every parameter randomised so the
     recurrent state matters over long prefixes (slow decays), saved with save_pretrained."""
@@ -598,7 +592,6 @@ def torch_twins(monkeypatch):
 
 @pytest.fixture(scope="module", params=HYBRID_FAMILIES)
 def hybrid_checkpoint(request, tmp_path_factory):
-    _needs_moe(request.param)
     hf, path = make_hf_hybrid(tmp_path_factory.mktemp(request.param), request.param)
     return request.param, hf, path
 

@@ -240,7 +240,7 @@ class Qwen3NextForCausalLM(nn.Module):
     family: ClassVar[str] = "qwen3_next"
     split_projections: ClassVar[bool] = False  # Qwen3.5's in_proj_qkv / z / b / a
     # A prefix hit reuses K/V and restores the GDN state from the state checkpoint at the hit
-    # position (kv_cache.py, state_pool.py): prefix caching works for these models.
+    # position (cache/block_manager.py, cache/state_pool.py): prefix caching works for these models.
     supports_prefix_caching: ClassVar[bool] = True
 
     def __init__(self, cfg: HybridConfig, attn_backend: AttentionBackend | None = None) -> None:

@@ -72,7 +72,8 @@ class ModelRunner:
         self.attention_backend: str = self.model.attn_backend.name
         arch = self.model.config
         self.architecture = type(self.model).__name__
-        # False for models whose state a prefix hit cannot restore (hybrid models, for now).
+        # False for a model whose state a prefix hit cannot restore; every model here can (hybrid
+        # ones restore their recurrent state from a state checkpoint), so this is a model's opt-out.
         self.supports_prefix_caching: bool = getattr(self.model, "supports_prefix_caching", True)
         self.arch_config = arch
         self.vocab_size = arch.vocab_size
