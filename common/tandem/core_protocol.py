@@ -81,7 +81,12 @@ class SchedulerReason(str, enum.Enum):
 
     KV_CACHE_TOO_SMALL = "kv_cache_too_small"
     EXCEEDS_MAX_MODEL_LEN = "exceeds_max_model_len"
-    KV_TRANSFER_FAILED = "kv_transfer_failed"  # a remote KV load was refused or failed (detail says why)
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # a pulled load could not be written (detail says why)
+    # The transfer parameters do not fit this engine or this prompt, or the producer refused them
+    # (unknown, expired or foreign lease): INVALID_ARGUMENT.
+    KV_TRANSFER_REFUSED = "kv_transfer_refused"
+    # The producer could not be reached, broke off or sent corrupt bytes: UNAVAILABLE (retryable).
+    KV_PRODUCER_UNAVAILABLE = "kv_producer_unavailable"
 
 
 class StopToken(msgspec.Struct, frozen=True, tag="token", array_like=True):
@@ -131,6 +136,8 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
       prompt followed by it; its KV is computed by the decoder).
     - `lease_id`, `lease_expiry_unix`: the producer holds the blocks under this lease until the
       consumer releases it or the wall-clock time `lease_expiry_unix` passes (then they are freed).
+      `lease_secret`: what a pull or a release of the lease must present; it travels only on the
+      trusted path (producer, frontend, consumer) and never to a public client.
     - `remote_transport`: how to pull (`"tcp"`, `"cuda_ipc"` or `"nixl"`); `block_size`: the
       producer's tokens per block (the consumer refuses a mismatch).
 
@@ -151,12 +158,13 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     lease_expiry_unix: float | None = None
     remote_transport: str | None = None
     block_size: int | None = None
+    lease_secret: str | None = None
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
     _NAMED = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids",
               "remote_host", "remote_port", "remote_group_block_ids", "remote_state_slot",
               "num_prompt_tokens", "first_token_id", "lease_id", "lease_expiry_unix",
-              "remote_transport", "block_size")
+              "remote_transport", "block_size", "lease_secret")
     _WHOLE = ("remote_port", "remote_state_slot", "num_prompt_tokens", "first_token_id", "block_size")
 
     @classmethod

@@ -178,7 +178,8 @@ MAX_KV_TRANSFER_PARAMS_BYTES = 64 * 1024
 KV_TRANSFER_HEADER = "x-tandem-kv-transfer"
 
 _KV_OPTIONAL_SCALARS = ("remote_engine_id", "remote_host", "remote_port", "remote_state_slot", "num_prompt_tokens",
-                        "first_token_id", "lease_id", "lease_expiry_unix", "remote_transport", "block_size")
+                        "first_token_id", "lease_id", "lease_expiry_unix", "remote_transport", "block_size",
+                        "lease_secret")
 _KV_NON_NEGATIVE = ("remote_state_slot", "num_prompt_tokens", "first_token_id")
 
 
@@ -260,7 +261,7 @@ def kv_transfer_from_dict(data: dict, field: str = "kv_transfer_params") -> KVTr
     "extra", land in `extra`); raises InvalidRequest naming `field`."""
     if not isinstance(data, dict):
         raise InvalidRequest(field, f"must be a JSON object, got {type(data).__name__}")
-    data = dict(data)
+    data = _from_proto3_json(data, field)
     nested = data.pop("extra", None)  # the typed message's JSON form: unknown keys under "extra"
     if nested is not None:
         if not isinstance(nested, dict):
@@ -269,7 +270,7 @@ def kv_transfer_from_dict(data: dict, field: str = "kv_transfer_params") -> KVTr
     for name in ("do_remote_decode", "do_remote_prefill"):
         if name in data and not isinstance(data[name], bool):
             raise InvalidRequest(f"{field}.{name}", "must be true or false")
-    for name in ("remote_engine_id", "remote_host", "lease_id", "remote_transport"):
+    for name in ("remote_engine_id", "remote_host", "lease_id", "remote_transport", "lease_secret"):
         if data.get(name) is not None and not isinstance(data[name], str):
             raise InvalidRequest(f"{field}.{name}", "must be a string")
     try:
@@ -282,6 +283,45 @@ def kv_transfer_from_dict(data: dict, field: str = "kv_transfer_params") -> KVTr
     except (ValueError, TypeError, json_format.ParseError) as exc:
         raise InvalidRequest(field, f"a value is out of range ({exc})") from None
     return params
+
+
+# The message's fields by their proto3 JSON names (camelCase), and those of type int64, which
+# protobuf's JSON printer writes as decimal strings.
+_KV_JSON_NAMES = {f.json_name: f.name for f in common_pb2.KVTransferParams.DESCRIPTOR.fields}
+_KV_INT64 = frozenset(f.name for f in common_pb2.KVTransferParams.DESCRIPTOR.fields
+                      if f.type == f.TYPE_INT64)
+_BLOCK_IDS_KEYS = ("block_ids", "blockIds")
+
+
+def _int64(value, field: str):
+    """An int64 as the JSON printer writes it (a decimal string) or as a number."""
+    if isinstance(value, str):
+        text = value[1:] if value.startswith("-") else value
+        if not text.isdigit():
+            raise InvalidRequest(field, f"{value[:32]!r} is not an integer")
+        return int(value)
+    return value
+
+
+def _from_proto3_json(data: dict, field: str) -> dict:
+    """`data` with the proto3 JSON form of `KVTransferParams` (as `json_format.MessageToDict`
+    prints it: camelCase names, int64 values as strings, each group as {"blockIds": [...]})
+    turned into the field-name form; keys of neither form are left alone (they land in extra)."""
+    out = {_KV_JSON_NAMES.get(k, k): v for k, v in data.items()}
+    for name in _KV_INT64 & out.keys():
+        value = out[name]
+        out[name] = [_int64(v, f"{field}.{name}") for v in value] if isinstance(value, list) else \
+            _int64(value, f"{field}.{name}")
+    groups = out.get("remote_group_block_ids")
+    if isinstance(groups, list):
+        unwrapped = []
+        for g in groups:
+            if isinstance(g, dict):
+                ids = next((g[k] for k in _BLOCK_IDS_KEYS if k in g), [])
+                g = [_int64(v, f"{field}.remote_group_block_ids") for v in ids] if isinstance(ids, list) else ids
+            unwrapped.append(g)
+        out["remote_group_block_ids"] = unwrapped
+    return out
 
 
 def kv_transfer_from_metadata(metadata) -> KVTransferParams | None:
@@ -324,6 +364,23 @@ def adopt_legacy_kv_params(request) -> None:
     if not request.HasField("kv_transfer_params"):
         params = kv_transfer_from_dict(json_format.MessageToDict(legacy), LEGACY_KV_TRANSFER_FIELD)
         request.kv_transfer_params.CopyFrom(kv_transfer_to_proto(params))
+
+
+def kv_params_steer(params: common_pb2.KVTransferParams) -> bool:
+    """Whether the parameters set anything besides `extra`: a lease to make or to pull, an
+    address, block ids, a secret (what only a trusted caller may send or see)."""
+    named = common_pb2.KVTransferParams()
+    named.CopyFrom(params)
+    named.ClearField("extra")
+    return named.ByteSize() > 0
+
+
+def public_kv_params(params: common_pb2.KVTransferParams) -> common_pb2.KVTransferParams | None:
+    """What of the parameters a caller that is not trusted may see: `extra` only (never a pull
+    address, lease, secret or block ids); None when that is empty."""
+    if not params.HasField("extra") or not params.extra.fields:
+        return None
+    return common_pb2.KVTransferParams(extra=params.extra)
 
 
 def set_reply_kv_params(msg, params: common_pb2.KVTransferParams, legacy: bool) -> None:

@@ -258,7 +258,7 @@ def test_a_first_token_sent_before_the_final_message_is_not_lost():
 
 def test_cli_flags_of_the_two_pools_and_the_serve_children():
     from tandem import options
-    from tandem.cli import _disaggregated_engines, _kv_role_argv, build_parser
+    from tandem.cli import _disaggregated_engines, _kv_producer_address, _kv_role_argv, build_parser
     from tandem.startup_checks import StartupError
 
     parser = build_parser()
@@ -270,14 +270,20 @@ def test_cli_flags_of_the_two_pools_and_the_serve_children():
         with pytest.raises(StartupError) as err:
             _disaggregated_engines(options.parse_args(parser, ["frontend", *argv]))
         assert err.value.flag == flag
-    serve = options.parse_args(parser, ["serve", "--disaggregated", "--engine-host", "10.1.1.1"])
-    assert _kv_role_argv(serve, "producer") == ["--kv-role", "producer", "--kv-transfer-address", "10.1.1.1:0"]
-    assert _kv_role_argv(serve, "consumer") == ["--kv-role", "consumer"]
+    serve = options.parse_args(parser, ["serve", "--disaggregated", "--engine-host", "127.0.0.1"])
+    picked = _kv_producer_address(serve)  # a free port, known before the engines start
+    host, port = picked.rsplit(":", 1)
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    assert _kv_role_argv(serve, "producer", picked) == ["--kv-role", "producer", "--kv-transfer-address", picked]
+    # The decode engine trusts exactly the prefill engine's pull address.
+    assert _kv_role_argv(serve, "consumer", picked) == ["--kv-role", "consumer", "--kv-producer", picked]
     named = options.parse_args(parser, ["serve", "--disaggregated", "--kv-engine-id", "x",
                                         "--kv-transfer-address", "10.0.0.1:7000"])
-    assert _kv_role_argv(named, "producer") == ["--kv-role", "producer", "--kv-transfer-address", "10.0.0.1:7000",
-                                                "--kv-engine-id", "x-prefill"]
-    assert _kv_role_argv(named, "consumer") == ["--kv-role", "consumer", "--kv-engine-id", "x-decode"]
+    assert _kv_producer_address(named) == "10.0.0.1:7000"
+    assert _kv_role_argv(named, "producer", "10.0.0.1:7000") == [
+        "--kv-role", "producer", "--kv-transfer-address", "10.0.0.1:7000", "--kv-engine-id", "x-prefill"]
+    assert _kv_role_argv(named, "consumer", "10.0.0.1:7000") == [
+        "--kv-role", "consumer", "--kv-producer", "10.0.0.1:7000", "--kv-engine-id", "x-decode"]
 
 
 def test_no_release_when_the_producer_kept_no_lease():

@@ -25,7 +25,8 @@ from tandem.engine_service.cache.cache_tensors import allocate_cache_tensors
 from tandem.engine_service.config import KVTransferConfig
 from tandem.engine_service.cache.block_manager import NULL_BLOCK, BlockManager
 from tandem.engine_service.kv_connector.block_io import KVBlockIO
-from tandem.engine_service.kv_connector.leases import LeasedBlocks, LeaseTable
+from tandem.engine_service.kv_connector.auth import KVCredentials, prompt_digest
+from tandem.engine_service.kv_connector.leases import Lease, LeasedBlocks, LeaseTable
 from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, LoadSpec
 from tandem.engine_service.kv_connector.scheduler_side import KVConnectorScheduler, LoadRefused
 from tandem.engine_service.kv_connector.state_io import StateSlotIO
@@ -105,10 +106,21 @@ def server():
     srv.close()
 
 
-def _pull(srv: KVPullServer, lease_id: str, ids: list[list[int]], sizes=(64, 32)):
+PROMPT = [5, 6, 7, 8, 9]
+DIGEST = prompt_digest(PROMPT)
+
+
+def _grant(table: LeaseTable, rid: str, blocks: LeasedBlocks, ttl: float) -> Lease:
+    """A lease made for PROMPT."""
+    return table.grant(rid, blocks, ttl, prompt_digest=DIGEST)
+
+
+def _pull(srv: KVPullServer, lease: Lease, ids: list[list[int]], sizes=(64, 32), **auth):
+    """Pull with the lease's secret and PROMPT's digest (or what `auth` says instead)."""
+    auth = {"lease_secret": lease.secret, "prompt_digest": DIGEST, **auth}
     with connect(srv.host, srv.port, 5) as sock:
         sock.settimeout(5)
-        return pull_blocks(sock, lease_id, ids, list(sizes))
+        return pull_blocks(sock, lease.lease_id, ids, list(sizes), **auth)
 
 
 def _wait_released(table: LeaseTable, lease_id: str) -> None:
@@ -120,31 +132,31 @@ def _wait_released(table: LeaseTable, lease_id: str) -> None:
 
 
 def test_tcp_round_trip_sends_the_named_blocks_and_releases_the_lease(server):
-    lease = server.leases.grant("r", LeasedBlocks("r", [[1, 2, 5], [1, 2, 5]]), 30)
-    got = _pull(server, lease.lease_id, [[5, 1], [2]])
-    assert got == [[bytes([5]) * 64, bytes([1]) * 64], [bytes([102]) * 32]]
+    lease = _grant(server.leases, "r", LeasedBlocks("r", [[1, 2, 5], [1, 2, 5]]), 30)
+    got = _pull(server, lease, [[1, 5], [2]])
+    assert got == [[bytes([1]) * 64, bytes([5]) * 64], [bytes([102]) * 32]]
     assert server.frames_sent == 3
     _wait_released(server.leases, lease.lease_id)
     assert len(server.leases.take_releasable()) == 1
 
 
 def test_corrupted_frame_is_detected(server):
-    lease = server.leases.grant("r", LeasedBlocks("r", [[1, 2], [1, 2]]), 30)
+    lease = _grant(server.leases, "r", LeasedBlocks("r", [[1, 2], [1, 2]]), 30)
     server.tamper = lambda data: data[:-1] + bytes([data[-1] ^ 1])
     with pytest.raises(TransferError, match="checksum mismatch in block \\(group 0, index 0\\)"):
-        _pull(server, lease.lease_id, [[1, 2], [1]])
+        _pull(server, lease, [[1, 2], [1]])
     _wait_released(server.leases, lease.lease_id)  # a failed pull releases too
 
 
 def test_wrong_block_size_and_unleased_blocks_and_unknown_leases_are_refused(server):
-    lease = server.leases.grant("r", LeasedBlocks("r", [[1, 2], [1, 2]]), 30)
+    lease = _grant(server.leases, "r", LeasedBlocks("r", [[1, 2], [1, 2]]), 30)
     with pytest.raises(TransferError, match="not in the lease"):
-        _pull(server, lease.lease_id, [[1, 3], []])
-    with pytest.raises(TransferError, match="unknown, expired or released"):
-        _pull(server, "nope", [[1], []])
-    lease2 = server.leases.grant("s", LeasedBlocks("s", [[1], [1]]), 30)
+        _pull(server, lease, [[1, 3], []])
+    with pytest.raises(TransferError, match="unknown, expired, released or not yours"):
+        _pull(server, Lease("nope", "x", LeasedBlocks("x", [[1]]), 0.0), [[1], []])
+    lease2 = _grant(server.leases, "s", LeasedBlocks("s", [[1], [1]]), 30)
     with pytest.raises(TransferError, match="has 64 bytes, expected 48"):
-        _pull(server, lease2.lease_id, [[1], []], sizes=(48, 32))
+        _pull(server, lease2, [[1], []], sizes=(48, 32))
 
 
 def test_missing_blocks_and_malformed_frames_are_errors():
@@ -175,30 +187,31 @@ def _state_server(state_bytes: int = 24):
     return srv.start()
 
 
-def _pull_state(srv: KVPullServer, lease_id: str, ids: list[list[int]], slot: int | None, state_bytes: int = 24):
+def _pull_state(srv: KVPullServer, lease: Lease, ids: list[list[int]], slot: int | None, state_bytes: int = 24):
     with connect(srv.host, srv.port, 5) as sock:
         sock.settimeout(5)
-        return pull(sock, lease_id, ids, [64], slot, state_bytes)
+        return pull(sock, lease.lease_id, ids, [64], slot, state_bytes, lease_secret=lease.secret,
+                    prompt_digest=DIGEST)
 
 
 def test_tcp_pull_carries_the_lease_state_slot_after_the_blocks():
     srv = _state_server()
     try:
-        lease = srv.leases.grant("r", LeasedBlocks("r", [[1, 2]], state_slot=3), 30)
-        got = _pull_state(srv, lease.lease_id, [[2]], 3)
+        lease = _grant(srv.leases, "r", LeasedBlocks("r", [[1, 2]], state_slot=3), 30)
+        got = _pull_state(srv, lease, [[2]], 3)
         assert got.blocks == [[bytes([2]) * 64]] and got.state == bytes([203]) * 24
         assert srv.frames_sent == 2  # the block, then the state
         _wait_released(srv.leases, lease.lease_id)
         # Without a state slot in the request, no state frame is sent.
-        lease = srv.leases.grant("s", LeasedBlocks("s", [[1]], state_slot=0), 30)
-        assert _pull_state(srv, lease.lease_id, [[1]], None).state is None
+        lease = _grant(srv.leases, "s", LeasedBlocks("s", [[1]], state_slot=0), 30)
+        assert _pull_state(srv, lease, [[1]], None).state is None
         # A slot that is not the lease's is refused; a lease without a slot has none to give.
-        lease = srv.leases.grant("t", LeasedBlocks("t", [[1]], state_slot=5), 30)
+        lease = _grant(srv.leases, "t", LeasedBlocks("t", [[1]], state_slot=5), 30)
         with pytest.raises(TransferError, match="state slot 4 is not in the lease"):
-            _pull_state(srv, lease.lease_id, [[1]], 4)
-        lease = srv.leases.grant("u", LeasedBlocks("u", [[1]]), 30)
+            _pull_state(srv, lease, [[1]], 4)
+        lease = _grant(srv.leases, "u", LeasedBlocks("u", [[1]]), 30)
         with pytest.raises(TransferError, match="state slot 0 is not in the lease"):
-            _pull_state(srv, lease.lease_id, [[1]], 0)
+            _pull_state(srv, lease, [[1]], 0)
     finally:
         srv.close()
 
@@ -206,15 +219,15 @@ def test_tcp_pull_carries_the_lease_state_slot_after_the_blocks():
 def test_corrupted_or_mis_sized_state_frames_are_detected():
     srv = _state_server()
     try:
-        lease = srv.leases.grant("r", LeasedBlocks("r", [[1]], state_slot=2), 30)
+        lease = _grant(srv.leases, "r", LeasedBlocks("r", [[1]], state_slot=2), 30)
         srv.tamper_state = lambda data: bytes([data[0] ^ 1]) + data[1:]
         with pytest.raises(TransferError, match="checksum mismatch in the state of slot 2"):
-            _pull_state(srv, lease.lease_id, [[1]], 2)
+            _pull_state(srv, lease, [[1]], 2)
         _wait_released(srv.leases, lease.lease_id)  # a failed pull releases too
         srv.tamper_state = None
-        lease = srv.leases.grant("s", LeasedBlocks("s", [[1]], state_slot=2), 30)
+        lease = _grant(srv.leases, "s", LeasedBlocks("s", [[1]], state_slot=2), 30)
         with pytest.raises(TransferError, match="state frame has 24 bytes, expected 32"):
-            _pull_state(srv, lease.lease_id, [[1]], 2, state_bytes=32)
+            _pull_state(srv, lease, [[1]], 2, state_bytes=32)
     finally:
         srv.close()
     # A producer that ends without the requested state, or sends one nobody asked for.
@@ -347,13 +360,13 @@ def _bm(windows=(None,)) -> BlockManager:
 
 
 def _connector(bm: BlockManager, role="consumer") -> KVConnectorScheduler:
-    return KVConnectorScheduler(KVTransferConfig(role=role), bm, "me", ("127.0.0.1", 1))
+    return KVConnectorScheduler(KVTransferConfig(role=role, producers=["127.0.0.1:9"]), bm, "me", ("127.0.0.1", 1))
 
 
 def _params(num_tokens: int, groups: list[list[int]], **kw) -> KVTransferParams:
     return KVTransferParams(do_remote_prefill=True, remote_engine_id="prod", remote_host="127.0.0.1", remote_port=9,
                             remote_block_ids=groups[0], remote_group_block_ids=groups, num_prompt_tokens=num_tokens,
-                            first_token_id=5, lease_id="L", block_size=BS, **kw)
+                            first_token_id=5, lease_id="L", lease_secret="S", block_size=BS, **kw)
 
 
 def _seq(rid: str, tokens: list[int], params=None) -> Sequence:
@@ -423,9 +436,11 @@ def test_admit_load_refuses_bad_parameters_and_leaves_nothing_allocated():
         with pytest.raises(LoadRefused, match=error):
             kv.admit_load(seq)
         assert bm.num_free_blocks == 32
-    # A load cancelled before its plan was sent becomes a release of its lease.
+    # Every refused load releases its lease (four refusals that name a trusted producer and a
+    # lease), and a load cancelled before its plan was sent does too.
     meta = kv.take_metadata()
-    assert meta.start_loads == [] and meta.cancel_loads == [] and meta.release_leases == [("127.0.0.1", 9, "L")]
+    assert meta.start_loads == [] and meta.cancel_loads == []
+    assert meta.release_leases == [("127.0.0.1", 9, "L", "S")] * 5
     assert kv.take_metadata() is None
 
 
@@ -502,7 +517,8 @@ def test_hybrid_admit_load_refuses_parameters_without_a_state_slot():
         kv.admit_load(seq)
     assert bm.state_slots.num_used == 0 and bm.num_free_blocks == 32
     # NIXL moves blocks only: a load with state goes over TCP.
-    kv = KVConnectorScheduler(KVTransferConfig(role="consumer"), bm, "me", None, local_transports=("tcp", "nixl"))
+    kv = KVConnectorScheduler(KVTransferConfig(role="consumer", producers=["127.0.0.1:*"]), bm, "me", None,
+                              local_transports=("tcp", "nixl"))
     seq = _seq("e", list(range(10, 20)), _params(9, [[1, 2, 3]], remote_state_slot=0, remote_transport="nixl"))
     assert kv.admit_load(seq)
     (spec,) = kv.take_metadata().start_loads
@@ -552,10 +568,10 @@ def test_worker_pulls_writes_and_drops_cancelled_loads():
     srv = KVPullServer("127.0.0.1", 0, table, src_io.read_blocks).start()
     worker = KVConnectorWorker(dst_io)
     try:
-        lease = table.grant("p", LeasedBlocks("p", [[2, 4, 6]]), 30)
+        lease = _grant(table, "p", LeasedBlocks("p", [[2, 4, 6]]), 30)
         spec = LoadSpec(request_id="d", remote_engine_id="prod", remote_host=srv.host, remote_port=srv.port,
                         lease_id=lease.lease_id, transport="tcp", remote_block_ids=[[4, 6]],
-                        local_block_ids=[[8, 9]], num_tokens=12)
+                        local_block_ids=[[8, 9]], num_tokens=12, lease_secret=lease.secret, prompt_digest=DIGEST)
         worker.apply(KVConnectorMetadata(start_loads=[spec]))
         assert worker.num_loading == 1
         assert worker.wait(10)
@@ -564,11 +580,11 @@ def test_worker_pulls_writes_and_drops_cancelled_loads():
         assert report.bytes_loaded == 2 * dst_io.block_bytes[0]
         assert dst_io.read_blocks(0, [8, 9]) == src_io.read_blocks(0, [4, 6])
         # A load cancelled before it completes is never written, and its lease is released.
-        lease2 = table.grant("p2", LeasedBlocks("p2", [[1]]), 30)
+        lease2 = _grant(table, "p2", LeasedBlocks("p2", [[1]]), 30)
         before = dst_io.read_blocks(0, [3])
         spec2 = LoadSpec(request_id="e", remote_engine_id="prod", remote_host=srv.host, remote_port=srv.port,
                          lease_id=lease2.lease_id, transport="tcp", remote_block_ids=[[1]], local_block_ids=[[3]],
-                         num_tokens=4)
+                         num_tokens=4, lease_secret=lease2.secret, prompt_digest=DIGEST)
         worker.apply(KVConnectorMetadata(start_loads=[spec2]))
         worker.apply(KVConnectorMetadata(cancel_loads=["e"]))
         assert worker.num_loading == 0
@@ -576,8 +592,8 @@ def test_worker_pulls_writes_and_drops_cancelled_loads():
         assert not worker.poll()
         assert dst_io.read_blocks(0, [3]) == before
         # A lease named for release (its load was cancelled before it started) is released.
-        lease3 = table.grant("p3", LeasedBlocks("p3", [[5]]), 30)
-        worker.apply(KVConnectorMetadata(release_leases=[(srv.host, srv.port, lease3.lease_id)]))
+        lease3 = _grant(table, "p3", LeasedBlocks("p3", [[5]]), 30)
+        worker.apply(KVConnectorMetadata(release_leases=[(srv.host, srv.port, lease3.lease_id, lease3.secret)]))
         deadline = time.monotonic() + 5
         while lease3.lease_id not in {x.lease_id for x in table.take_releasable()}:
             assert time.monotonic() < deadline
@@ -588,7 +604,8 @@ def test_worker_pulls_writes_and_drops_cancelled_loads():
         worker.apply(KVConnectorMetadata(start_loads=[spec3]))
         assert worker.wait(10)
         report = worker.poll()
-        assert "unknown, expired or released" in report.failed["f"]
+        assert "unknown, expired, released or not yours" in report.failed["f"]
+        assert report.refused == ["f"]  # the parameters were wrong, not the producer
     finally:
         worker.close()
         srv.close()

@@ -135,6 +135,9 @@ class ModelConfig:
     attention_backend: str = _opt("auto", "auto: Triton kernels on CUDA, PyTorch reference on CPU",
                                   choices=("auto", "torch", "triton"))
     enforce_eager: bool = _opt(False, "never capture CUDA graphs for decode")
+    quantization: str = _opt("auto", "weights in FP8: auto (as the checkpoint stores them), fp8 (also "
+                             "quantize a bf16/fp32 checkpoint to 128x128-block FP8 on load), none (dequantize an FP8 "
+                             "checkpoint on load)", choices=("auto", "none", "fp8"))
     warmup_seconds: float = _opt(60.0, "GPU: before serving, run synthetic requests through the scheduler and "
                                  "kernels for at most this long, so kernels compile before the first request "
                                  "does (0: off)")
@@ -149,6 +152,8 @@ class ModelConfig:
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.quantization not in ("auto", "none", "fp8"):
+            raise ValueError(f"quantization must be auto, none or fp8, got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if not self.warmup_seconds >= 0:
@@ -166,7 +171,14 @@ class KVTransferConfig:
     `producer`: a request with `do_remote_decode` keeps its prompt's blocks under a lease after
     its one token, and the engine serves pulls of them on `transfer_address`. `consumer`: a
     request with `do_remote_prefill` pulls the blocks it does not hold from the producer named
-    in its parameters. `both`: either. `none` (default): transfer parameters are echoed only.
+    in its parameters, only when that address is one of `producers` (or its own pull address,
+    for `both`): a request never makes the engine connect anywhere else. `both`: either. `none`
+    (default): transfer parameters are echoed only.
+
+    `auth_tokens` and the `tls_*` paths are the engine service's own credentials (its
+    `--auth-token`, `--tls-cert`, `--tls-key`, `--tls-client-ca`), filled by the service, not
+    flags of their own; they guard the pull port (`kv_connector/auth.py`). The tokens never
+    travel on a command line (the core process gets them through its environment).
     """
 
     role: str = _opt("none", "disaggregated prefill/decode role: producer keeps a prefill's KV under a lease "
@@ -181,6 +193,15 @@ class KVTransferConfig:
                           "(two processes on one host's GPUs) or nixl (NIXL/UCX READs, needs nixl-cu13 on both "
                           "engines); the pull address carries the handshake", flag="kv-transport",
                           choices=KV_TRANSPORTS)
+    producers: list[str] | None = _opt(None, "host:port of a producer this consumer may pull from (repeat the flag; "
+                                       "host:* trusts every port of host, for development); pull addresses in "
+                                       "requests name one of these or are refused", flag="kv-producer")
+    tls_ca: str | None = _opt(None, "CA bundle (PEM) that signs the producers' certificates, for pulls over TLS "
+                              "(default: --tls-client-ca, else the system's roots)", flag="kv-tls-ca")
+    auth_tokens: tuple[str, ...] = field(default=(), repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     @property
     def is_producer(self) -> bool:
@@ -200,6 +221,17 @@ class KVTransferConfig:
             raise ValueError(f"kv transfer address must be host:port, got {self.transfer_address!r}")
         return host, int(port)
 
+    def trusts_producer(self, host: str, port: int, own: tuple[str, int] | None = None) -> bool:
+        """Whether this consumer may connect to (host, port): one of `producers` (a `host:*`
+        entry covers every port of host) or this engine's own pull address `own`."""
+        if own is not None and (host, port) == own:
+            return True
+        for entry in self.producers or ():
+            h, _, p = entry.rpartition(":")
+            if h == host and (p == "*" or p == str(port)):
+                return True
+        return False
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -211,6 +243,10 @@ class KVTransferConfig:
         if not self.lease_seconds > 0:
             raise ValueError("kv lease seconds must be > 0")
         self.host_port()
+        for entry in self.producers or ():
+            host, sep, port = entry.rpartition(":")
+            if not sep or not host or not (port == "*" or (port.isdigit() and 0 < int(port) < 65536)):
+                raise ValueError(f"kv producer must be host:port or host:*, got {entry!r}")
 
 
 @dataclass

@@ -39,6 +39,10 @@ log = structlog.get_logger(__name__)
 DECODE_LEG_SUFFIX = "-decode"
 
 
+# The reason a consumer names when the producer could not be reached or broke off mid-pull
+# (`SchedulerReason.KV_PRODUCER_UNAVAILABLE`): the failed replica is the prefill one.
+PRODUCER_UNAVAILABLE = "kv_producer_unavailable"
+
 # Decode-leg statuses that mean the consumer never admitted the request (so never pulled).
 REFUSED_BEFORE_START = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -290,6 +294,9 @@ class TwoLegCall:
                 # pull can be reading the producer's blocks, so releasing the lease races nothing.
                 # (After any other ending the consumer released it, or will, itself.)
                 self._lease_held = True
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and PRODUCER_UNAVAILABLE in (exc.details() or ""):
+                # The decode engine is fine; the producer it pulled from is not (retryable).
+                raise LegFailed(exc, "decode", self.pools.prefill, self.prefill) from None
             raise LegFailed(exc, "decode", self.pools.decode, self.decode) from None
         finally:
             self.decode.in_flight -= 1

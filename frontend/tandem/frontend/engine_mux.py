@@ -23,6 +23,10 @@ from tandem.v1 import common_pb2, engine_pb2
 log = structlog.get_logger(__name__)
 
 
+# EngineResponse.error_code (a status code's number) back to the status; 0 (unset) is INTERNAL.
+_STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode if code != grpc.StatusCode.OK}
+
+
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
@@ -137,7 +141,8 @@ class MuxCall:
                     raise item
                 if item.finish_reason == common_pb2.FINISH_REASON_ERROR:
                     self.ended = True
-                    raise _rpc_error(grpc.StatusCode.INTERNAL, item.error or "engine error")
+                    raise _rpc_error(_STATUS_BY_CODE.get(item.error_code, grpc.StatusCode.INTERNAL),
+                                     item.error or "engine error")
                 if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     self.ended = True
                 yield item

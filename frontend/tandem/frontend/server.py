@@ -31,12 +31,15 @@ from tandem.frontend.observe import RequestObservation
 from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.request_ids import DuplicateRequestId, RequestIdMap
 from tandem.frontend.tokenize_pool import TokenizePool, TokenizerBusy
+from tandem.error_text import bounded, echo
 from tandem.grpc_service import reject_malformed
 from tandem.protocol import (
     InvalidRequest,
     adopt_legacy_kv_params,
+    kv_params_steer,
     kv_transfer_from_metadata,
     kv_transfer_to_proto,
+    public_kv_params,
     set_reply_kv_params,
     to_struct,
 )
@@ -97,8 +100,11 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
 
     def __init__(self, pool: EnginePool, ids: RequestIdMap, metrics: FrontendMetrics | None = None,
                  access: AccessPolicy | None = None, disaggregated: DisaggregatedPools | None = None,
-                 relay: AbortRelay | None = None) -> None:
+                 relay: AbortRelay | None = None, trust_kv_callers: bool = False) -> None:
         self.pool = pool
+        # Callers may send and see KV transfer parameters beyond `extra` (a router on a private
+        # network); off: such parameters are refused and replies carry `extra` only.
+        self.trust_kv_callers = trust_kv_callers
         self.relay = relay  # the sibling workers on this port, for an ABORT of a request not here
         self.disaggregated = disaggregated
         self.metrics = metrics if metrics is not None else FrontendMetrics(pool)
@@ -185,7 +191,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                                                           tuple(context.invocation_metadata()))
             if result is None:
                 # Also the answer for another caller's request: its existence is not revealed.
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id[:256]!r} is not in flight")
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {echo(request.request_id)} is not in flight")
         elif cmd in (C.UTILITY_COMMAND_STATS, C.UTILITY_COMMAND_FLUSH_PREFIX_CACHE, C.UTILITY_COMMAND_SPEC_DECODE_STATS):
             per_engine = {}
             for r in self._all_replicas():
@@ -230,13 +236,18 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             header_kv = kv_transfer_from_metadata(context.invocation_metadata())
             if header_kv is not None:  # the header wins over the body's kv_transfer_params, whole
                 request.kv_transfer_params.CopyFrom(kv_transfer_to_proto(header_kv))
+            if (not self.trust_kv_callers and request.HasField("kv_transfer_params")
+                    and kv_params_steer(request.kv_transfer_params)):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    "kv_transfer_params: only trusted callers may request or name KV transfers "
+                                    "(start the frontend with --trust-kv-callers, for a router on a private network)")
             self.builder.check_request(request)
             reg = self.ids.register(request.request_id or None, self.builder.num_choices(request),
                                     owner=self.access.caller_identity(context))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except DuplicateRequestId:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is in flight")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {echo(request.request_id)} is in flight")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
         obs.registered(reg.external_id, reg.internal_ids)
@@ -444,7 +455,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         retry = [(k, v) for k, v in (error.trailing_metadata() or ()) if k == "retry-after"]
         if retry:
             context.set_trailing_metadata(tuple(retry))
-        await context.abort(error.code(), f"engine: {error.details()}")
+        await context.abort(error.code(), bounded(f"engine: {error.details()}"))
 
     @staticmethod
     def _attach_logprobs(msg: frontend_pb2.GenerateResponse, choices: list[ChoiceState]) -> None:
@@ -468,6 +479,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         returned = next((c.kv_transfer_params for c in choices if c.kv_transfer_params is not None), None)
         if returned is None:
             returned = prepared.kv_transfer_params
+        if returned is not None and not self.trust_kv_callers:
+            returned = public_kv_params(returned)  # no pull address, lease, secret or block ids
         if returned is not None:
             set_reply_kv_params(msg, returned, legacy=prepared.legacy_kv_reply)
         if prepared.return_prompt_token_ids:

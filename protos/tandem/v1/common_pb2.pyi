@@ -121,7 +121,7 @@ class Timings(_message.Message):
     def __init__(self, ttft: _Optional[float] = ..., tpot: _Optional[float] = ..., latency: _Optional[float] = ..., queue: _Optional[float] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
-    __slots__ = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_group_block_ids", "remote_state_slot", "num_prompt_tokens", "first_token_id", "lease_id", "lease_expiry_unix", "remote_transport", "block_size", "extra")
+    __slots__ = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_group_block_ids", "remote_state_slot", "num_prompt_tokens", "first_token_id", "lease_id", "lease_expiry_unix", "remote_transport", "block_size", "lease_secret", "extra")
     DO_REMOTE_DECODE_FIELD_NUMBER: _ClassVar[int]
     DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class KVTransferParams(_message.Message):
     LEASE_EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECRET_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     do_remote_decode: bool
     do_remote_prefill: bool
@@ -151,8 +152,9 @@ class KVTransferParams(_message.Message):
     lease_expiry_unix: float
     remote_transport: str
     block_size: int
+    lease_secret: str
     extra: _struct_pb2.Struct
-    def __init__(self, do_remote_decode: _Optional[bool] = ..., do_remote_prefill: _Optional[bool] = ..., remote_engine_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., remote_group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_state_slot: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix: _Optional[float] = ..., remote_transport: _Optional[str] = ..., block_size: _Optional[int] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    def __init__(self, do_remote_decode: _Optional[bool] = ..., do_remote_prefill: _Optional[bool] = ..., remote_engine_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., remote_group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_state_slot: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_expiry_unix: _Optional[float] = ..., remote_transport: _Optional[str] = ..., block_size: _Optional[int] = ..., lease_secret: _Optional[str] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("block_ids",)

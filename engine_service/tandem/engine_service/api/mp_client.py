@@ -12,6 +12,7 @@ side did not ask it to, every request in flight fails with a message saying the 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from tandem.core_protocol import (
     UtilityResult,
 )
 from tandem.engine_service.config import EngineConfig
+from tandem.engine_service.core.core_process import KV_TOKENS_ENV, with_kv_tokens
 from tandem.engine_service.api.core_client import CoreClient
 
 log = structlog.get_logger(__name__)
@@ -73,14 +75,17 @@ class MultiprocessCoreClient(CoreClient):
         pull = ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.RCVHWM, 0)
         pull.bind(out_addr)
+        # The KV tokens travel in the child's environment, not on its (world-readable) command line.
+        public = with_kv_tokens(config, ())
+        env = {**os.environ, KV_TOKENS_ENV: " ".join(config.kv_transfer.auth_tokens)}
         argv = [sys.executable, "-P", "-m", "tandem.engine_service.core.core_process", "--input", in_addr,
-                "--output", out_addr, "--config", msgspec.json.encode(config).decode(),
+                "--output", out_addr, "--config", msgspec.json.encode(public).decode(),
                 "--log-level", log_level, "--log-format", log_format]
         if fail_after_steps is not None:
             argv += ["--fail-after-steps", str(fail_after_steps)]
         # Spawned from the event loop's thread, which lives as long as the process: the child's
         # PR_SET_PDEATHSIG fires when the spawning *thread* ends.
-        proc = subprocess.Popen(argv)
+        proc = subprocess.Popen(argv, env=env)
         codec = CoreCodec()
         try:
             while True:

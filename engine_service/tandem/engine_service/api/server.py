@@ -18,6 +18,8 @@ from tandem.core_protocol import (
     FinishReason,
     FlushResult,
     RequestOutput,
+    SchedulerReason,
+    SchedulerStop,
     StopSequence,
     StopToken,
     UtilityCommand,
@@ -29,6 +31,7 @@ from tandem.engine_service.api.core_client import (
     QueueFullError,
     UnknownChannelError,
 )
+from tandem.error_text import bounded, echo
 from tandem.request_scope import RequestScope
 from tandem.grpc_service import reject_malformed
 from tandem.protocol import (
@@ -93,11 +96,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             return self._admit(request, channel, context.invocation_metadata())
         except UnknownChannelError:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"channel_id {channel!r} is not subscribed")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"channel_id {echo(channel)} is not subscribed")
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except DuplicateRequestError:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is in flight")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {echo(request.request_id)} is in flight")
         except EngineUnavailableError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except QueueFullError as exc:
@@ -130,7 +133,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 first = False
                 last = batch[-1]
                 if last.finished and last.finish_reason == FinishReason.ERROR:
-                    await context.abort(grpc.StatusCode.INTERNAL, last.error or "engine error")
+                    await context.abort(error_status(last), bounded(last.error or "engine error"))
                 yield msg
                 if last.finished:
                     return
@@ -147,7 +150,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self.engine.release(request.request_id)
         last = collected[-1]
         if last.finish_reason == FinishReason.ERROR:
-            await context.abort(grpc.StatusCode.INTERNAL, last.error or "engine error")
+            await context.abort(error_status(last), bounded(last.error or "engine error"))
         return self._response(request, collected, True)
 
     # -- multiplexed transport ----------------------------------------------------------------------------
@@ -160,7 +163,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             channel = engine.open_channel(request.channel_id)
         except DuplicateRequestError:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"channel_id {request.channel_id!r} is in use")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"channel_id {echo(request.channel_id)} is in use")
         try:
             yield engine_pb2.EngineBatch()  # acknowledgement: Submit may name this channel now
             while True:
@@ -176,7 +179,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     msg = self._response(submitted, items, first)
                     if items[-1].finished:
                         if items[-1].finish_reason == FinishReason.ERROR:
-                            msg.error = items[-1].error or "engine error"
+                            msg.error = bounded(items[-1].error or "engine error")
+                            msg.error_code = error_status(items[-1]).value[0]
                         del self._mux_requests[request_id]
                     else:
                         self._mux_requests[request_id] = (submitted, False)
@@ -197,7 +201,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if not request.channel_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "channel_id: required for Submit")
         if request.request_id in self._mux_requests:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is in flight")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {echo(request.request_id)} is in flight")
         # Registered before admission so the first step's output always finds its request.
         self._mux_requests[request.request_id] = (request, True)
         try:
@@ -231,7 +235,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 self.engine.release_lease(request.request_id)
                 result = {"aborted": request.request_id, "lease_release_requested": True}
             else:
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not in flight")
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {echo(request.request_id)} is not in flight")
         elif cmd == C.UTILITY_COMMAND_STATS:
             stats: EngineStats = await self._core_utility(UtilityCommand.STATS, context)
             result = stats.to_dict()
@@ -288,6 +292,22 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if last.kv_transfer_params is not None:  # the core's copy, not the request's
                 msg.kv_transfer_params.CopyFrom(kv_transfer_to_proto(last.kv_transfer_params))
         return msg
+
+
+# The status of a request the scheduler ended with ERROR, by its reason: what the client should do
+# (fix what it sent, retry); a reason not listed is an engine fault (INTERNAL).
+ERROR_STATUS = {
+    SchedulerReason.KV_TRANSFER_REFUSED: grpc.StatusCode.INVALID_ARGUMENT,
+    SchedulerReason.KV_PRODUCER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def error_status(output: RequestOutput) -> grpc.StatusCode:
+    """The gRPC status of a request that finished with ERROR (see ERROR_STATUS)."""
+    stop = output.stop_reason
+    if isinstance(stop, SchedulerStop):
+        return ERROR_STATUS.get(stop.reason, grpc.StatusCode.INTERNAL)
+    return grpc.StatusCode.INTERNAL
 
 
 def _request_scope(request, context, method: str) -> RequestScope:

@@ -13,6 +13,7 @@ idle), removing the parent's socket directory when the parent cannot.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ctypes
 import os
 import shutil
@@ -181,6 +182,16 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket, codec: CoreCodec, parent_pid
         return 1
 
 
+# The engine's bearer tokens reach the core process (its KV pull port checks them) through this
+# variable, never its command line (world-readable); the parent strips them from --config.
+KV_TOKENS_ENV = "TANDEM_CORE_KV_AUTH_TOKENS"
+
+
+def with_kv_tokens(config: EngineConfig, tokens: tuple[str, ...]) -> EngineConfig:
+    """`config` with its KV transfer tokens replaced by `tokens`."""
+    return dataclasses.replace(config, kv_transfer=dataclasses.replace(config.kv_transfer, auth_tokens=tokens))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tandem-engine-core")
     p.add_argument("--input", required=True, help="ZeroMQ address of the parent's PUSH socket")
@@ -199,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, json=args.log_format == "json")
     # Signals go to the gRPC process, which shuts the core down in order (CoreShutdown).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = msgspec.json.decode(args.config, type=EngineConfig)
+    config = with_kv_tokens(msgspec.json.decode(args.config, type=EngineConfig),
+                            tuple(os.environ.pop(KV_TOKENS_ENV, "").split()))
     code = run_core(config, args.input, args.output, args.fail_after_steps, parent_pid)
     if code != 0:  # the parent may be gone (nobody else would clean up); on shutdown it removes it
         _remove_socket_dir(socket_dir)

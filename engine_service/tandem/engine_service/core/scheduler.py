@@ -100,7 +100,8 @@ class Scheduler:
     producer is admitted by the connector instead (its blocks allocated, its load queued) and
     moves to `loading` (status LOADING_KV): it holds its blocks and a sequence slot but is never
     scheduled until `loads_done` reports its load — then its computed count jumps by the loaded
-    tokens and it runs like any request; a failed load ends it with ERROR (kv_transfer_failed).
+    tokens and it runs like any request; a failed load ends it with ERROR (kv_transfer_refused
+    when its parameters were refused, kv_producer_unavailable when the producer was not there).
 
     `running` and `waiting` are exposed for inspection; callers must not mutate them.
     """
@@ -132,7 +133,7 @@ class Scheduler:
         self.kv_connector = kv_connector
         # Requests holding blocks while their KV is loaded from a producer (admission order).
         self.loading: dict[str, Sequence] = {}
-        self._failed_loads: list[tuple[Sequence, str]] = []
+        self._failed_loads: list[tuple[Sequence, SchedulerStop]] = []
 
     # -- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -190,14 +191,14 @@ class Scheduler:
             self.kv_connector.load_finished(seq, spec.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        for rid, why in failed.items():
-            self._failed_loads.append((self.loading.pop(rid), why))
+        for rid, stop in failed.items():
+            self._failed_loads.append((self.loading.pop(rid), stop))
 
     # -- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        for seq, why in self._failed_loads:
-            self._finish_error(out, seq, SchedulerStop(SchedulerReason.KV_TRANSFER_FAILED, why))
+        for seq, stop in self._failed_loads:
+            self._finish_error(out, seq, stop)
         self._failed_loads.clear()
         budget = self.config.max_num_batched_tokens
         budget, num_ending = self._schedule_running(out, budget)
@@ -312,7 +313,7 @@ class Scheduler:
             admitted = self.kv_connector.admit_load(seq)
         except LoadRefused as exc:
             self.waiting.popleft()
-            self._finish_error(out, seq, SchedulerStop(SchedulerReason.KV_TRANSFER_FAILED, str(exc)))
+            self._finish_error(out, seq, SchedulerStop(SchedulerReason.KV_TRANSFER_REFUSED, str(exc)))
             return True
         if not admitted:
             if not self.running and not self.loading:

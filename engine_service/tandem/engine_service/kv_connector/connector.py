@@ -11,6 +11,7 @@ import structlog
 
 from tandem.engine_service.config import KVTransferConfig
 from tandem.engine_service.cache.block_manager import BlockManager
+from tandem.engine_service.kv_connector.auth import KVCredentials
 from tandem.engine_service.kv_connector.block_io import KVBlockIO
 from tandem.engine_service.kv_connector.cuda_ipc import CudaIpcChannel, IpcChannel
 from tandem.engine_service.kv_connector.leases import LeaseTable
@@ -81,6 +82,8 @@ def build_kv_connector(config: KVTransferConfig, block_manager: BlockManager, ru
     has_nixl = nixl_available()
     transports = ("tcp",) + (("cuda_ipc",) if ipc is not None else ()) + (("nixl",) if has_nixl else ())
     nixl = _LazyNixl(engine_id, block_io) if has_nixl else None
+    credentials = KVCredentials(tokens=config.auth_tokens, tls_cert=config.tls_cert, tls_key=config.tls_key,
+                                tls_client_ca=config.tls_client_ca, tls_ca=config.tls_ca)
     leases = LeaseTable()
     server = None
     if config.is_producer:
@@ -97,9 +100,12 @@ def build_kv_connector(config: KVTransferConfig, block_manager: BlockManager, ru
             nixl()
         server = KVPullServer(host, port, leases, block_io.read_block_views, ipc_export=export,
                               nixl_export=nixl_export,
-                              read_state=state_io.read_slot if state_io is not None else None).start()
+                              read_state=state_io.read_slot if state_io is not None else None,
+                              credentials=credentials).start()
     address = (server.host, server.port) if server is not None else None
     scheduler = KVConnectorScheduler(config, block_manager, engine_id, address, leases, transports)
-    worker = KVConnectorWorker(block_io, ipc, nixl=nixl, state_io=state_io) if config.is_consumer else None
-    log.info("kv_connector_ready", role=config.role, engine_id=engine_id, address=address, transports=transports)
+    worker = (KVConnectorWorker(block_io, ipc, nixl=nixl, state_io=state_io, credentials=credentials)
+              if config.is_consumer else None)
+    log.info("kv_connector_ready", role=config.role, engine_id=engine_id, address=address, transports=transports,
+             token_auth=bool(credentials.tokens), tls=credentials.tls, producers=config.producers or [])
     return KVConnector(config, engine_id, scheduler, worker, server, transports)

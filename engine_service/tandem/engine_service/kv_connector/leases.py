@@ -8,6 +8,9 @@ the lease frees the slot too), until one of:
 - the prefill request id is aborted (the client went away before the decode leg);
 - the lease expires (`expiry_unix` passed; a periodic sweep in the engine core).
 
+Each lease has a random `secret` (`auth.new_lease_secret`) that a pull or a release must present,
+and the `prompt_digest` of the prompt it was made for, which a pull's digest must equal.
+
 Threads: the KV server's threads only `pin` / `unpin` / `request_release` (under the table's
 lock); the engine-core thread grants leases and, in `take_releasable`, removes the ones to free
 and frees their blocks itself. Invariant: a pinned lease (a pull is reading its blocks) is never
@@ -20,6 +23,8 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+
+from tandem.engine_service.kv_connector.auth import new_lease_secret, secret_matches
 
 
 @dataclass(eq=False)
@@ -40,6 +45,8 @@ class Lease:
     request_id: str
     blocks: LeasedBlocks
     expiry_unix: float
+    secret: str = field(default_factory=new_lease_secret, repr=False)
+    prompt_digest: str = ""
     pins: int = 0
     release_requested: bool = False
 
@@ -61,8 +68,8 @@ class LeaseTable:
     def now(self) -> float:
         return self._clock()
 
-    def grant(self, request_id: str, blocks: LeasedBlocks, ttl_seconds: float) -> Lease:
-        lease = Lease(uuid.uuid4().hex, request_id, blocks, self._clock() + ttl_seconds)
+    def grant(self, request_id: str, blocks: LeasedBlocks, ttl_seconds: float, prompt_digest: str = "") -> Lease:
+        lease = Lease(uuid.uuid4().hex, request_id, blocks, self._clock() + ttl_seconds, prompt_digest=prompt_digest)
         with self._lock:
             old = self._by_request.get(request_id)
             if old is not None:  # a reused prefill id: the older lease goes first
@@ -72,6 +79,19 @@ class LeaseTable:
         return lease
 
     # -- KV server threads -----------------------------------------------------------------------
+    def authorize(self, lease_id: str, secret: str) -> bool:
+        """Whether `secret` is the live lease `lease_id`'s (constant-time comparison)."""
+        with self._lock:
+            lease = self._by_id.get(lease_id)
+            expected = lease.secret if lease is not None else ""
+        return secret_matches(expected, secret)
+
+    def prompt_digest(self, lease_id: str) -> str | None:
+        """The digest of the prompt the lease was made for (None for an unknown lease)."""
+        with self._lock:
+            lease = self._by_id.get(lease_id)
+            return None if lease is None else lease.prompt_digest
+
     def pin(self, lease_id: str) -> list[list[int]] | None:
         """The lease's block tables (a copy) while a pull reads them; None if unknown, expired or
         released. Every successful `pin` is followed by one `unpin`."""

@@ -20,6 +20,8 @@ class LoadSpec(msgspec.Struct, kw_only=True):
     computed count once the load finished). Hybrid models: `remote_state_slot` (the producer's
     slot, holding the state after exactly `num_tokens` tokens) goes into `local_state_slot` (the
     request's own slot); both are None for a model without state groups, both set otherwise.
+    `lease_secret` (from the trusted path's parameters) and `prompt_digest` (of this engine's own
+    prompt, `auth.prompt_digest`) are presented to the producer, which serves only a match.
     """
 
     request_id: str
@@ -33,6 +35,8 @@ class LoadSpec(msgspec.Struct, kw_only=True):
     num_tokens: int
     remote_state_slot: int | None = None
     local_state_slot: int | None = None
+    lease_secret: str = ""
+    prompt_digest: str = ""
 
     @property
     def num_blocks(self) -> int:
@@ -51,8 +55,8 @@ class KVConnectorMetadata(msgspec.Struct, kw_only=True):
     start_loads: list[LoadSpec] = msgspec.field(default_factory=list)
     cancel_loads: list[str] = msgspec.field(default_factory=list)
     # Leases to release without pulling (a load cancelled before any worker started it):
-    # (host, port, lease id) of each.
-    release_leases: list[tuple[str, int, str]] = msgspec.field(default_factory=list)
+    # (host, port, lease id, lease secret) of each.
+    release_leases: list[tuple[str, int, str, str]] = msgspec.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.start_loads or self.cancel_loads or self.release_leases)
@@ -63,6 +67,11 @@ class KVLoadReport(msgspec.Struct, kw_only=True):
 
     finished: list[str] = msgspec.field(default_factory=list)
     failed: dict[str, str] = msgspec.field(default_factory=dict)
+    # Failed ids whose producer refused what the parameters named (the caller's mistake, not a
+    # broken or unreachable producer).
+    refused: list[str] = msgspec.field(default_factory=list)
+    # Failed ids whose bytes arrived but could not be written here (a fault of this engine).
+    write_failed: list[str] = msgspec.field(default_factory=list)
     blocks_loaded: int = 0
     bytes_loaded: int = 0
     seconds: float = 0.0  # summed over finished loads: from the plan that started each to its write
@@ -73,6 +82,8 @@ class KVLoadReport(msgspec.Struct, kw_only=True):
     def merge(self, other: "KVLoadReport") -> None:
         self.finished += other.finished
         self.failed.update(other.failed)
+        self.refused += other.refused
+        self.write_failed += other.write_failed
         self.blocks_loaded += other.blocks_loaded
         self.bytes_loaded += other.bytes_loaded
         self.seconds += other.seconds

@@ -23,6 +23,15 @@ one token without feeding it (a leg that fed more tokens gets no lease; the deco
 computes the prompt itself). `sweep` frees the leases that were released (pull done, abort
 of the prefill id) or expired — the only place leased blocks go back to the pool.
 
+Trust and binding (`auth.py`): a load is refused (`LoadRefused`, INVALID_ARGUMENT) before any
+connection when its producer address is not one this engine trusts (`KVTransferConfig.producers`,
+or its own pull address), when a group names a block twice, or when a field does not fit this
+engine; a refused load whose producer is trusted releases the lease (with its secret), so a
+refusal never leaves it to expire. The load presents the lease's secret and the digest of this
+engine's own prompt, so the producer serves a lease only to the prompt it was made for. The
+lease a producer grants records its prompt's digest and returns its secret in the parameters
+(`lease_secret`), which travel only on the trusted path.
+
 Invariants: a request id is in `_loading` from `admit_load` until `loads_done` or `cancel_load`;
 its LoadSpec is sent in exactly one plan, and a cancellation of a load the worker may hold is
 sent in one plan too (a load cancelled before its plan was sent becomes a lease release, so the
@@ -37,9 +46,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from tandem.core_protocol import FinishReason, KVTransferParams
+from tandem.core_protocol import FinishReason, KVTransferParams, SchedulerReason, SchedulerStop
 from tandem.engine_service.config import KVTransferConfig
 from tandem.engine_service.cache.block_manager import NULL_BLOCK, BlockManager, first_needed_block
+from tandem.engine_service.kv_connector.auth import prompt_digest
 from tandem.engine_service.kv_connector.leases import LeasedBlocks, LeaseTable
 from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, KVLoadReport, LoadSpec
 from tandem.engine_service.sequence import Sequence
@@ -94,7 +104,11 @@ class KVConnectorScheduler:
         p = seq.kv_transfer_params
         assert p is not None
         bs = self.bm.block_size
-        num_tokens, groups, transport = self._check(seq, p)
+        try:
+            num_tokens, groups, transport = self._check(seq, p)
+        except LoadRefused:
+            self._release_refused(p)
+            raise
         # Hybrid models: the pulled state covers every prompt token (see the module docstring).
         state_loaded = self.bm.state_slots is not None
         hit_tokens = self.bm.match_prefix(seq, state_loaded=state_loaded)
@@ -116,6 +130,7 @@ class KVConnectorScheduler:
             if NULL_BLOCK in r:
                 self.bm.free(seq)
                 seq.num_computed_tokens = 0
+                self._release_refused(p)
                 raise LoadRefused(f"the producer's group {g} no longer holds blocks the window needs")
             remote.append(r)
             local.append([seq.block_tables[g][i] for i in ids])
@@ -124,18 +139,32 @@ class KVConnectorScheduler:
                         lease_id=p.lease_id or "", transport=transport,
                         remote_block_ids=remote, local_block_ids=local, num_tokens=num_tokens,
                         remote_state_slot=p.remote_state_slot if state_loaded else None,
-                        local_state_slot=seq.state_slot if state_loaded else None)
+                        local_state_slot=seq.state_slot if state_loaded else None,
+                        lease_secret=p.lease_secret or "",
+                        prompt_digest=prompt_digest(seq.prompt_token_ids[:num_tokens]))
         self._loading[seq.request_id] = spec
         self._start.append(spec)
         log.info("kv_load_queued", request_id=seq.request_id, hit_tokens=seq.num_computed_tokens,
                  load_tokens=num_tokens - seq.num_computed_tokens, blocks=spec.num_blocks, transport=transport)
         return True
 
+    def _trusted(self, p: KVTransferParams) -> bool:
+        return (p.remote_host is not None and p.remote_port is not None
+                and self.config.trusts_producer(p.remote_host, int(p.remote_port), self.pull_address))
+
+    def _release_refused(self, p: KVTransferParams) -> None:
+        """A refused load's lease goes back now (only to a trusted producer, with its secret)."""
+        if self._trusted(p) and p.lease_id and p.lease_secret:
+            self._release.append((p.remote_host, int(p.remote_port), p.lease_id, p.lease_secret))  # type: ignore[arg-type]
+
     def _check(self, seq: Sequence, p: KVTransferParams) -> tuple[int, list[list[int]], str]:
         missing = [k for k in ("remote_host", "remote_port", "lease_id", "num_prompt_tokens")
                    if getattr(p, k) is None]
         if missing:
             raise LoadRefused(f"kv_transfer_params lacks {', '.join(missing)}")
+        if not self._trusted(p):
+            raise LoadRefused("kv_transfer_params name a producer this engine does not trust (its pull addresses "
+                              "come from --kv-producer)")
         if p.block_size is not None and p.block_size != self.bm.block_size:
             raise LoadRefused(f"the producer's block size {p.block_size} differs from this engine's "
                               f"{self.bm.block_size}")
@@ -151,6 +180,10 @@ class KVConnectorScheduler:
         n = -(-num_tokens // self.bm.block_size)
         if any(len(g) < n for g in groups):
             raise LoadRefused(f"{num_tokens} tokens need {n} blocks per group, the parameters name fewer")
+        for g, ids in enumerate(groups):
+            named = [b for b in ids[:n] if b != NULL_BLOCK]
+            if len(set(named)) != len(named):
+                raise LoadRefused(f"the parameters name a block of group {g} twice")
         if self.bm.state_slots is not None:
             if p.remote_state_slot is None:
                 raise LoadRefused("this model has state groups (a hybrid model): the decode leg needs the "
@@ -164,10 +197,12 @@ class KVConnectorScheduler:
             transport = "tcp"  # NIXL moves blocks only; TCP carries the state too
         return num_tokens, groups, transport
 
-    def loads_done(self, report: KVLoadReport) -> tuple[list[LoadSpec], dict[str, str]]:
-        """Apply the worker's report; (finished loads, failed ids with why) of loads still wanted."""
+    def loads_done(self, report: KVLoadReport) -> tuple[list[LoadSpec], dict[str, SchedulerStop]]:
+        """Apply the worker's report; (finished loads, failed ids with how they end) of loads
+        still wanted (`_failure_reason`)."""
         finished = [spec for rid in report.finished if (spec := self._loading.pop(rid, None)) is not None]
-        failed = {rid: why for rid, why in report.failed.items() if self._loading.pop(rid, None) is not None}
+        failed = {rid: SchedulerStop(_failure_reason(report, rid), why)
+                  for rid, why in report.failed.items() if self._loading.pop(rid, None) is not None}
         self.counters.remote_loads += len(finished)
         self.counters.remote_load_failures += len(failed)
         self.counters.remote_blocks_pulled += report.blocks_loaded
@@ -191,7 +226,7 @@ class KVConnectorScheduler:
         if spec in self._start:
             # Never sent: the worker never heard of it, but the producer still holds the lease.
             self._start.remove(spec)
-            self._release.append((spec.remote_host, spec.remote_port, spec.lease_id))
+            self._release.append((spec.remote_host, spec.remote_port, spec.lease_id, spec.lease_secret))
         else:
             self._cancel.append(request_id)
 
@@ -234,7 +269,8 @@ class KVConnectorScheduler:
         seq.block_tables = [[] for _ in self.bm.pools]
         seq.block_hashes = []
         seq.state_slot = None
-        lease = self.leases.grant(seq.request_id, blocks, self.config.lease_seconds)
+        lease = self.leases.grant(seq.request_id, blocks, self.config.lease_seconds,
+                                  prompt_digest=prompt_digest(seq.prompt_token_ids[:num_tokens]))
         self.counters.leases_granted += 1
         seq.kv_lease_id = lease.lease_id
         n = -(-num_tokens // bs)
@@ -244,6 +280,7 @@ class KVConnectorScheduler:
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=host, remote_port=port,
             remote_block_ids=groups[0], remote_group_block_ids=groups, remote_state_slot=blocks.state_slot,
             num_prompt_tokens=num_tokens, first_token_id=seq.output_token_ids[0], lease_id=lease.lease_id,
+            lease_secret=lease.secret,
             lease_expiry_unix=lease.expiry_unix, remote_transport=self.config.transport, block_size=bs,
             extra=dict(p.extra))
 
@@ -259,6 +296,18 @@ class KVConnectorScheduler:
         if gone:
             log.debug("kv_leases_freed", count=len(gone), live=len(self.leases))
         return len(gone)
+
+
+def _failure_reason(report: KVLoadReport, rid: str) -> SchedulerReason:
+    """How a failed load ends its request: a refused pull is KV_TRANSFER_REFUSED (the parameters
+    were wrong), a load this engine could not write KV_TRANSFER_FAILED (its own fault), anything
+    else (a producer unreachable, gone mid-pull, or sending corrupt bytes) KV_PRODUCER_UNAVAILABLE
+    (retryable)."""
+    if rid in report.refused:
+        return SchedulerReason.KV_TRANSFER_REFUSED
+    if rid in report.write_failed:
+        return SchedulerReason.KV_TRANSFER_FAILED
+    return SchedulerReason.KV_PRODUCER_UNAVAILABLE
 
 
 def new_engine_id() -> str:

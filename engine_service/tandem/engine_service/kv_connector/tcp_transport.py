@@ -9,22 +9,35 @@ what the consumer needs to copy the blocks itself, and the connection stays open
 released when the connection ends, whatever happened. The server never touches the block
 manager: a release is recorded in the lease table and freed by the engine-core thread.
 
-`pull` (consumer) sends the request and checks every frame: the CRC32, the block's (state's) size,
-that each requested (group, index) comes exactly once, the state exactly once when requested and
-never otherwise, and the closing count. Any mismatch raises
-`TransferError` with what was wrong; the caller fails the request.
+Access (`auth.py`): with TLS configured the connection is TLS first (mutual with a client CA);
+then every message must carry an accepted bearer token (when the engine has one) and the lease's
+secret, else it gets a `PullError` and nothing is pinned, read or released. A pull or handshake
+whose prompt digest differs from the lease's, or that names blocks outside the lease, out of the
+lease's order or twice, is refused and the lease released (the lease was presented with its
+secret, so its holder gave up on it).
+
+`pull` (consumer) sends the request and checks every frame: its length before reading it (no
+frame longer than the largest block or state plus an envelope is read), the CRC32, the block's
+(state's) size, that each requested (group, index) comes exactly once, the state exactly once
+when requested and never otherwise, and the closing count. Any mismatch raises `TransferError`
+with what was wrong and its `kind`: "refused" (the producer refused what the consumer was given:
+the caller's parameters are wrong, INVALID_ARGUMENT) or "unavailable" (the producer could not be
+reached, the stream broke or arrived corrupted: retryable); the caller fails the request.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 
 import structlog
 
+from tandem.engine_service.kv_connector.auth import KVCredentials, secret_matches
 from tandem.engine_service.kv_connector.leases import LeaseTable
 from tandem.engine_service.kv_connector.wire import (
+    MAX_REQUEST_BYTES,
     BlockFrame,
     IpcHandles,
     IpcHandlesRequest,
@@ -37,6 +50,7 @@ from tandem.engine_service.kv_connector.wire import (
     StateFrame,
     WireError,
     checksum,
+    frame_limit,
     recv_message,
     send_message,
 )
@@ -48,7 +62,15 @@ StateReader = Callable[[int], bytes]
 
 
 class TransferError(RuntimeError):
-    """A pull failed: the producer refused it, the stream broke, or a block was corrupt."""
+    """A pull failed: the producer refused it (`kind` "refused"), or it could not be reached, the
+    stream broke or a block was corrupt (`kind` "unavailable": retryable)."""
+
+    def __init__(self, message: str, kind: str = "unavailable") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+_REQUESTS = (PullRequest, ReleaseLease, IpcHandlesRequest, NixlHandshake)
 
 
 class KVPullServer:
@@ -57,13 +79,17 @@ class KVPullServer:
     `tamper` and `tamper_state` are testing seams: applied to each block's (the state's) bytes
     after the checksum was computed (a corrupted transfer). `ipc_export` answers a CUDA IPC
     handshake (None: not offered). `read_state` reads a state slot (None: no state groups).
+    `credentials`: the engine's token and TLS (None: no token, plaintext).
     """
 
     def __init__(self, host: str, port: int, leases: LeaseTable, read_blocks: BlockReader,
                  ipc_export: Callable[[], IpcHandles] | None = None,
                  on_release: Callable[[], None] | None = None,
                  nixl_export: Callable[[], NixlMemory] | None = None,
-                 read_state: StateReader | None = None) -> None:
+                 read_state: StateReader | None = None,
+                 credentials: KVCredentials | None = None) -> None:
+        self.credentials = credentials or KVCredentials()
+        self._tls = self.credentials.server_context()
         self.leases = leases
         self.read_blocks = read_blocks
         self.read_state = read_state
@@ -105,19 +131,33 @@ class KVPullServer:
         try:
             conn.settimeout(60)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            msg = recv_message(conn)
+            if self._tls is not None:
+                conn = self._tls.wrap_socket(conn, server_side=True)
+            msg = recv_message(conn, MAX_REQUEST_BYTES)
+            if not isinstance(msg, _REQUESTS):
+                send_message(conn, PullError(message=f"unexpected message {type(msg).__name__}"))
+                return
+            if not self.credentials.token_accepted(msg.token):
+                send_message(conn, PullError(message="the KV pull port needs the engine's bearer token",
+                                             kind="unauthenticated"))
+                return
+            if not self.leases.authorize(msg.lease_id, msg.lease_secret):
+                # One answer for an unknown lease and a wrong secret: existence is not revealed.
+                send_message(conn, PullError(message="the lease is unknown, expired, released or not yours"))
+                return
             if isinstance(msg, ReleaseLease):
                 self.leases.request_release(msg.lease_id)
+                self.on_release()
                 send_message(conn, PullEnd(num_frames=0))
-                return
-            if not isinstance(msg, (PullRequest, IpcHandlesRequest, NixlHandshake)):
-                send_message(conn, PullError(message=f"unexpected message {type(msg).__name__}"))
                 return
             tables = self.leases.pin(msg.lease_id)
             if tables is None:
-                send_message(conn, PullError(message=f"lease {msg.lease_id} is unknown, expired or released"))
+                send_message(conn, PullError(message="the lease is unknown, expired, released or not yours"))
                 return
             lease_id = msg.lease_id
+            if not secret_matches(self.leases.prompt_digest(lease_id) or "", msg.prompt_digest):
+                send_message(conn, PullError(message="the lease was made for another prompt"))
+                return
             if isinstance(msg, IpcHandlesRequest):
                 self._serve_handshake(conn, self.ipc_export, "cuda_ipc")
             elif isinstance(msg, NixlHandshake):
@@ -138,10 +178,9 @@ class KVPullServer:
                                                  f"the producer has {len(tables)}"))
             return
         for g, ids in enumerate(msg.block_ids):
-            leased = set(tables[g])
-            outside = [b for b in ids if b not in leased or b < 0]
-            if outside:
-                send_message(conn, PullError(message=f"blocks {outside[:8]} of group {g} are not in the lease"))
+            problem = blocks_outside_lease(ids, tables[g])
+            if problem:
+                send_message(conn, PullError(message=f"group {g}: {problem}"))
                 return
         if msg.state_slot is not None:
             leased_slot = self.leases.state_slot(msg.lease_id)
@@ -175,18 +214,48 @@ class KVPullServer:
         # The consumer copies while the lease stays pinned, then closes (or sends anything).
         conn.settimeout(120)
         try:
-            recv_message(conn)
+            recv_message(conn, MAX_REQUEST_BYTES)
         except WireError:
             pass
 
 
-def connect(host: str, port: int, timeout: float) -> socket.socket:
+def blocks_outside_lease(ids: list[int], leased: list[int]) -> str:
+    """What is wrong with pulling `ids` of a lease holding `leased` (one group), or "": every id
+    must be in the lease, once, in the lease's order (so entry j lands where the consumer's
+    prompt position says)."""
+    where = {b: i for i, b in enumerate(leased)}
+    last = -1
+    for b in ids:
+        i = where.get(b)
+        if i is None or b < 0:
+            return f"block {b} is not in the lease"
+        if i <= last:
+            return f"block {b} is named twice or out of the lease's order"
+        last = i
+    return ""
+
+
+def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | None = None) -> socket.socket:
+    """A connection to a producer's pull address (TLS with `tls`, verifying `host`)."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
         raise TransferError(f"cannot reach the KV producer at {host}:{port}: {exc}") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is not None:
+        try:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+        except OSError as exc:
+            sock.close()
+            raise TransferError(f"TLS with the KV producer at {host}:{port} failed: {exc}") from None
     return sock
+
+
+def refusal(msg: PullError) -> TransferError:
+    """The consumer's error for a producer's PullError."""
+    if msg.kind == "unauthenticated":
+        return TransferError(f"producer refused the pull: {msg.message} (check the engines' --auth-token)")
+    return TransferError(f"producer refused the pull: {msg.message}", kind="refused")
 
 
 class Pulled:
@@ -201,19 +270,22 @@ class Pulled:
 
 
 def pull(sock: socket.socket, lease_id: str, block_ids: list[list[int]], block_bytes: list[int],
-         state_slot: int | None = None, state_bytes: int = 0) -> Pulled:
+         state_slot: int | None = None, state_bytes: int = 0, *, token: str = "", lease_secret: str = "",
+         prompt_digest: str = "") -> Pulled:
     """Pull `block_ids[g]` of every group, and the lease's state slot `state_slot` (of
-    `state_bytes` bytes) when not None, over the connected `sock`. Raises TransferError (see the
-    module docstring)."""
+    `state_bytes` bytes) when not None, over the connected `sock`, presenting `token`,
+    `lease_secret` and `prompt_digest`. Raises TransferError (see the module docstring)."""
     state: bytes | None = None
+    limit = frame_limit(*block_bytes, state_bytes)
     try:
-        send_message(sock, PullRequest(lease_id=lease_id, block_ids=block_ids, state_slot=state_slot))
+        send_message(sock, PullRequest(lease_id=lease_id, block_ids=block_ids, state_slot=state_slot, token=token,
+                                       lease_secret=lease_secret, prompt_digest=prompt_digest))
         out: list[list[bytes | None]] = [[None] * len(ids) for ids in block_ids]
         received = 0
         while True:
-            msg = recv_message(sock)
+            msg = recv_message(sock, limit)
             if isinstance(msg, PullError):
-                raise TransferError(f"producer refused the pull: {msg.message}")
+                raise refusal(msg)
             if isinstance(msg, PullEnd):
                 break
             if isinstance(msg, StateFrame):
@@ -256,16 +328,20 @@ def pull(sock: socket.socket, lease_id: str, block_ids: list[list[int]], block_b
 
 
 def pull_blocks(sock: socket.socket, lease_id: str, block_ids: list[list[int]],
-                block_bytes: list[int]) -> list[list[bytes]]:
+                block_bytes: list[int], **auth: str) -> list[list[bytes]]:
     """`pull` of blocks only: per group, the blocks' bytes in request order."""
-    return pull(sock, lease_id, block_ids, block_bytes).blocks
+    return pull(sock, lease_id, block_ids, block_bytes, **auth).blocks
 
 
-def release_lease(host: str, port: int, lease_id: str, timeout: float = 5.0) -> None:
+def release_lease(host: str, port: int, lease_id: str, lease_secret: str, credentials: KVCredentials | None = None,
+                  timeout: float = 5.0) -> None:
     """Tell the producer the lease's blocks are not needed (best effort: expiry frees them anyway)."""
+    credentials = credentials or KVCredentials()
     try:
-        with connect(host, port, timeout) as sock:
-            send_message(sock, ReleaseLease(lease_id=lease_id))
-            recv_message(sock)
+        with connect(host, port, timeout, credentials.client_context()) as sock:
+            send_message(sock, ReleaseLease(lease_id=lease_id, token=credentials.token, lease_secret=lease_secret))
+            reply = recv_message(sock, frame_limit())
+        if isinstance(reply, PullError):
+            raise refusal(reply)
     except (TransferError, OSError, WireError) as exc:
         log.warning("kv_lease_release_failed", lease_id=lease_id, error=str(exc))

@@ -13,6 +13,12 @@ consumer recomputes it and fails the pull on a mismatch. A `StateFrame` (hybrid 
 request names the lease's state slot) carries that slot of every state layer (`state_io.py`'s
 order) with its CRC32 the same way, after the blocks; `PullEnd` counts it. The producer releases the lease when
 the connection ends, whatever happened (the consumer pulls once).
+
+Every consumer message carries the engine's bearer token and the lease's secret, and a pull or a
+handshake the digest of the consumer's prompt (`auth.py`). Frame lengths are checked before
+anything is allocated: the producer reads a request of at most `MAX_REQUEST_BYTES`; the consumer
+reads frames of at most `frame_limit` (its largest block or state plus a small envelope), so a
+peer's length field never sizes an allocation past what the lease needs.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from typing import Union
 import msgspec
 
 MAX_FRAME_BYTES = 1 << 31  # a frame claiming more is corrupt (a block of one group is far smaller)
+# A consumer's request: block ids (a few bytes each in msgpack) for a prompt at most a context long.
+MAX_REQUEST_BYTES = 4 << 20
+# What a frame carries besides its payload: msgpack tags, field names, small integers, a message.
+FRAME_ENVELOPE_BYTES = 4096
 _LEN = struct.Struct(">I")
 
 
@@ -41,30 +51,42 @@ class LayerRegion(msgspec.Struct, array_like=True):
 
 
 class PullRequest(msgspec.Struct, tag="pull", kw_only=True):
-    """Send these of the lease's blocks, per paged group (ids in the producer's tables), and the
-    lease's state slot `state_slot` (hybrid models; None: no state)."""
+    """Send these of the lease's blocks, per paged group (ids in the producer's tables, in the
+    lease's order, each once), and the lease's state slot `state_slot` (hybrid models; None: no
+    state). `token`, `lease_secret`, `prompt_digest`: see the module docstring."""
 
     lease_id: str
     block_ids: list[list[int]]
     state_slot: int | None = None
+    token: str = ""
+    lease_secret: str = ""
+    prompt_digest: str = ""
 
 
 class ReleaseLease(msgspec.Struct, tag="release", kw_only=True):
     """The consumer needs nothing (its own prefix cache held every block) or gives up."""
 
     lease_id: str
+    token: str = ""
+    lease_secret: str = ""
 
 
 class IpcHandlesRequest(msgspec.Struct, tag="ipc_handles", kw_only=True):
     """CUDA IPC handshake: the producer's cache tensors' handles for this lease's pull."""
 
     lease_id: str
+    token: str = ""
+    lease_secret: str = ""
+    prompt_digest: str = ""
 
 
 class NixlHandshake(msgspec.Struct, tag="nixl_handshake", kw_only=True):
     """NIXL: the producer's agent metadata and block layout for this lease's pull."""
 
     lease_id: str
+    token: str = ""
+    lease_secret: str = ""
+    prompt_digest: str = ""
 
 
 class BlockFrame(msgspec.Struct, tag="block", kw_only=True):
@@ -91,9 +113,12 @@ class PullEnd(msgspec.Struct, tag="end", kw_only=True):
 
 
 class PullError(msgspec.Struct, tag="error", kw_only=True):
-    """The producer cannot serve the request (unknown or expired lease, a block not leased)."""
+    """The producer cannot serve the request. `kind`: "refused" (an unknown, expired or released
+    lease, a wrong secret, blocks or a prompt the lease does not hold: what the consumer was
+    given does not fit) or "unauthenticated" (no or a wrong bearer token)."""
 
     message: str
+    kind: str = "refused"
 
 
 class IpcHandles(msgspec.Struct, tag="ipc", kw_only=True):
@@ -149,11 +174,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_message(sock: socket.socket) -> WireMessage:
-    """The next message; WireError on a closed stream or an undecodable frame."""
+def frame_limit(*payload_bytes: int) -> int:
+    """The largest frame a consumer accepts when its payloads are at most these sizes."""
+    return max(payload_bytes, default=0) + FRAME_ENVELOPE_BYTES
+
+
+def recv_message(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> WireMessage:
+    """The next message; WireError on a closed stream, a frame longer than `max_bytes` (checked
+    before its buffer is allocated) or an undecodable frame."""
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_FRAME_BYTES:
-        raise WireError(f"frame of {n} bytes exceeds the limit")
+    if n > min(max_bytes, MAX_FRAME_BYTES):
+        raise WireError(f"frame of {n} bytes exceeds the limit of {min(max_bytes, MAX_FRAME_BYTES)}")
     body = _recv_exact(sock, n)
     try:
         return _DECODER.decode(body)

@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
+from tandem.engine_service.kv_connector.auth import KVCredentials
 from tandem.engine_service.kv_connector.block_io import KVBlockIO
 from tandem.engine_service.kv_connector.cuda_ipc import IpcChannel
 from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, KVLoadReport, LoadSpec
 from tandem.engine_service.kv_connector.nixl_transport import NixlEndpoint
 from tandem.engine_service.kv_connector.state_io import StateSlotIO
-from tandem.engine_service.kv_connector.tcp_transport import TransferError, connect, pull, release_lease
+from tandem.engine_service.kv_connector.tcp_transport import TransferError, connect, pull, refusal, release_lease
 from tandem.engine_service.kv_connector.wire import (
     IpcHandles,
     IpcHandlesRequest,
@@ -41,6 +42,7 @@ from tandem.engine_service.kv_connector.wire import (
     NixlMemory,
     PullError,
     WireError,
+    frame_limit,
     recv_message,
     send_message,
 )
@@ -60,6 +62,7 @@ class _Load:
     remote_state: list[torch.Tensor] | None = None  # CUDA IPC: the producer's state tensors
     written: bool = False  # NIXL: the READ already put the blocks in place
     error: str | None = None
+    refused: bool = False  # the producer refused what the request's parameters named
     ended: threading.Event = field(default_factory=threading.Event)  # the load thread is done
 
     def close(self) -> None:
@@ -76,7 +79,10 @@ class KVConnectorWorker:
     """Starts, cancels and completes KV loads for one worker (see the module docstring)."""
 
     def __init__(self, block_io: KVBlockIO, ipc: IpcChannel | None = None, timeout_s: float = 60.0,
-                 nixl: Callable[[], NixlEndpoint] | None = None, state_io: StateSlotIO | None = None) -> None:
+                 nixl: Callable[[], NixlEndpoint] | None = None, state_io: StateSlotIO | None = None,
+                 credentials: KVCredentials | None = None) -> None:
+        self.credentials = credentials or KVCredentials()
+        self._tls = self.credentials.client_context()
         self.block_io = block_io
         self.state_io = state_io  # hybrid models: the request state slots' memory
         self.ipc = ipc
@@ -105,9 +111,9 @@ class KVConnectorWorker:
                     # may change hands (the READ has its own timeout).
                     load.ended.wait(self.timeout_s + 5)
                 load.close()
-        for host, port, lease_id in metadata.release_leases:
-            threading.Thread(target=release_lease, args=(host, port, lease_id), name="tandem-kv-release",
-                             daemon=True).start()
+        for host, port, lease_id, secret in metadata.release_leases:
+            threading.Thread(target=release_lease, args=(host, port, lease_id, secret, self.credentials),
+                             name="tandem-kv-release", daemon=True).start()
         for spec in metadata.start_loads:
             if spec.request_id in self._loads:
                 raise ValueError(f"a load for {spec.request_id} is already running")
@@ -147,9 +153,12 @@ class KVConnectorWorker:
                     report.seconds += time.perf_counter() - load.started
                 else:
                     report.failed[rid] = load.error
+                    if load.refused:
+                        report.refused.append(rid)
             except Exception as exc:  # a write that fails fails the request, not the engine
                 log.warning("kv_load_write_failed", request_id=rid, error=str(exc))
                 report.failed[rid] = f"KV load could not be written: {exc}"
+                report.write_failed.append(rid)
             finally:
                 load.close()
         self.blocks_loaded += report.blocks_loaded
@@ -201,7 +210,7 @@ class KVConnectorWorker:
     def _run(self, load: _Load) -> None:
         spec = load.spec
         try:
-            load.sock = connect(spec.remote_host, spec.remote_port, self.timeout_s)
+            load.sock = connect(spec.remote_host, spec.remote_port, self.timeout_s, self._tls)
             load.sock.settimeout(self.timeout_s)
             if load.cancelled.is_set():
                 return
@@ -218,11 +227,13 @@ class KVConnectorWorker:
                 if spec.remote_state_slot is not None and self.state_io is None:
                     raise TransferError("this engine has no state groups to write the producer's state into")
                 pulled = pull(load.sock, spec.lease_id, spec.remote_block_ids, self.block_io.block_bytes,
-                              spec.remote_state_slot, state_bytes)
+                              spec.remote_state_slot, state_bytes, token=self.credentials.token,
+                              lease_secret=spec.lease_secret, prompt_digest=spec.prompt_digest)
                 load.blocks, load.state = pulled.blocks, pulled.state
                 load.close()  # the producer releases the lease as soon as the pull is complete
         except TransferError as exc:
             load.error = f"KV transfer from {spec.remote_engine_id} failed: {exc}"
+            load.refused = exc.kind == "refused"
         except Exception as exc:  # never let a load thread die silently
             load.error = f"KV transfer from {spec.remote_engine_id} failed: {type(exc).__name__}: {exc}"
         finally:
@@ -238,19 +249,24 @@ class KVConnectorWorker:
         assert load.sock is not None
         try:
             send_message(load.sock, request)
-            msg = recv_message(load.sock)
+            # Handles and NIXL metadata are small; a larger frame is not a handshake answer.
+            msg = recv_message(load.sock, frame_limit(1 << 20))
         except (OSError, WireError) as exc:
             raise TransferError(f"{name} handshake failed: {exc}") from None
         if isinstance(msg, PullError):
-            raise TransferError(f"producer refused the pull: {msg.message}")
+            raise refusal(msg)
         if not isinstance(msg, expected):
             raise TransferError(f"unexpected {type(msg).__name__} in a {name} handshake")
         return msg
 
+    def _auth(self, spec: LoadSpec) -> dict[str, str]:
+        return {"lease_id": spec.lease_id, "token": self.credentials.token, "lease_secret": spec.lease_secret,
+                "prompt_digest": spec.prompt_digest}
+
     def _read_nixl(self, load: _Load) -> None:
         if self.nixl is None:
             raise TransferError("NIXL is not installed on this engine")
-        memory: NixlMemory = self._handshake(load, NixlHandshake(lease_id=load.spec.lease_id), NixlMemory, "NIXL")
+        memory: NixlMemory = self._handshake(load, NixlHandshake(**self._auth(load.spec)), NixlMemory, "NIXL")
         try:
             self.nixl().read(memory.agent_metadata, memory.device_id, memory.groups, load.spec.remote_block_ids,
                              load.spec.local_block_ids, self.timeout_s)
@@ -260,7 +276,7 @@ class KVConnectorWorker:
     def _open_ipc(self, load: _Load) -> list[list[torch.Tensor]]:
         if self.ipc is None:
             raise TransferError("this engine has no CUDA IPC channel")
-        msg = self._handshake(load, IpcHandlesRequest(lease_id=load.spec.lease_id), IpcHandles, "CUDA IPC")
+        msg = self._handshake(load, IpcHandlesRequest(**self._auth(load.spec)), IpcHandles, "CUDA IPC")
         remote = self.ipc.open_handles(msg)
         if len(remote) != self.block_io.num_groups:
             raise TransferError(f"producer has {len(remote)} cache groups, this engine {self.block_io.num_groups}")
