@@ -288,6 +288,36 @@ def test_worker_rows_match_sequence_inputs_with_a_sliding_window_group(overlap: 
 # -- 3. bookkeeping ----------------------------------------------------------------------------------
 
 
+def test_both_sides_keep_pending_tokens_and_seeded_streams_alike() -> None:
+    """The scheduler's Sequence and the worker's RequestRow share one pending-token bookkeeping
+    and one seeded generator (tandem.engine_service.pending): the same calls give the same
+    counts, tokens and random draws, and both refuse a confirm with nothing pending."""
+    from tandem.engine_service.core.scheduler import ScheduledSeq, SchedulerOutput
+    from tandem.engine_service.pending import PendingTokens, seeded_generator
+    from tandem.engine_service.sequence import Sequence
+
+    seq = Sequence("s", [5, 6, 7], SamplingParams(seed=11), eos_token_ids=(2,))
+    seq.block_table = [1]
+    row = WorkerRows().apply(StepPlanBuilder().build(SchedulerOutput(scheduled=[ScheduledSeq(seq, 3, True)])).plan).rows[0]
+    assert isinstance(seq, PendingTokens) and isinstance(row, PendingTokens)
+    for side in (seq, row):
+        side.mark_pending(4)
+        side.mark_pending(9)
+    assert [(x.num_pending_tokens, x.pending_row, x.num_tokens, x.num_generated_tokens) for x in (seq, row)] == [
+        (2, 9, 5, 2)] * 2
+    for side in (seq, row):
+        side.confirm_token(40)
+        side.confirm_token(41)
+        with pytest.raises(RuntimeError, match="no pending token to confirm"):
+            side.confirm_token(42)
+    assert seq.token_ids == row.token_ids == [5, 6, 7, 40, 41] and seq.num_pending_tokens == row.num_pending_tokens == 0
+    draws = [torch.empty(6).exponential_(generator=g) for g in (seq.generator, row.generator, seeded_generator(
+        SamplingParams(seed=11)))]
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[1], draws[2])
+    assert seeded_generator(SamplingParams()) is None
+    assert Sequence("u", [1], SamplingParams()).generator is None
+
+
 def test_preemption_keeps_tokens_and_generator_and_resume_replaces_blocks() -> None:
     from tandem.engine_service.core.scheduler import ScheduledSeq, SchedulerOutput
     from tandem.engine_service.sequence import Sequence

@@ -12,6 +12,7 @@ import time
 import torch
 
 from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams, StopReason
+from tandem.engine_service.pending import PendingTokens, seeded_generator
 
 __all__ = ["FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
 
@@ -23,7 +24,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Sequence:
+class Sequence(PendingTokens):
     """One engine request: its tokens, its progress through the KV cache and its ending."""
 
     def __init__(
@@ -46,9 +47,8 @@ class Sequence:
         # Tokens whose K/V are written (or being written by a launched step) in this sequence's
         # blocks; prefix-cache hits count.
         self.num_computed_tokens = 0
-        # Tokens sampled on the device but not yet read back (overlapped scheduling): they count
-        # in `num_tokens` but are not in `output_token_ids`. `pending_row` is the newest one's row
-        # in its step's sampled-token tensor, where the next step's input reads it from.
+        # Tokens sampled on the device but not yet read back (`PendingTokens`): they count in
+        # `num_tokens` but are not in `output_token_ids`.
         self.num_pending_tokens = 0
         self.pending_row = -1
         # Prompt tokens served from the prefix cache at the first admission (reported in usage).
@@ -76,10 +76,7 @@ class Sequence:
         self.kv_lease_id: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(params.seed)
+        self.generator: torch.Generator | None = seeded_generator(params)
 
     # -- cache views -------------------------------------------------------------------------
     @property
@@ -137,16 +134,7 @@ class Sequence:
         """Whether the tokens sampled so far (pending included) already end it by length."""
         return self.num_generated_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
 
-    def mark_pending(self, row: int) -> None:
-        """A step sampled this sequence's next token on the device, at `row` of its tokens."""
-        self.num_pending_tokens += 1
-        self.pending_row = row
-
-    def confirm_token(self, token_id: int) -> None:
-        """The oldest pending token was read back: it becomes an output token."""
-        if self.num_pending_tokens < 1:
-            raise RuntimeError(f"{self.request_id}: no pending token to confirm")
-        self.num_pending_tokens -= 1
+    def _append_confirmed(self, token_id: int) -> None:
         self.append_token(token_id)
 
     def append_token(self, token_id: int) -> None:

@@ -21,11 +21,12 @@ import torch
 from tandem.core_protocol import SamplingParams
 from tandem.engine_service.worker.input_batch import PENDING_PLACEHOLDER, HostInputs, assemble_host_inputs
 from tandem.engine_service.cache.block_manager import NULL_BLOCK
+from tandem.engine_service.pending import PendingTokens, seeded_generator
 from tandem.engine_service.step_plan import NewRequest, StepPlan
 
 
 @dataclass(eq=False)
-class RequestRow:
+class RequestRow(PendingTokens):
     """One request as the worker holds it (what the sampler and the input builder read).
 
     Invariants: `token_ids` = prompt + read-back output tokens; `num_tokens` (those plus the
@@ -48,10 +49,6 @@ class RequestRow:
 
     @classmethod
     def from_plan(cls, req: NewRequest) -> RequestRow:
-        generator = None
-        if req.sampling_params.seed is not None:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(req.sampling_params.seed)
         return cls(
             request_id=req.request_id,
             token_ids=list(req.token_ids),
@@ -61,7 +58,7 @@ class RequestRow:
             block_ids=[list(g) for g in req.block_ids],
             num_computed_tokens=req.num_computed_tokens,
             state_slot=req.state_slot,
-            generator=generator,
+            generator=seeded_generator(req.sampling_params),
         )
 
     # What the sampler reads (the same names as the scheduler's Sequence).
@@ -85,16 +82,7 @@ class RequestRow:
     def num_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens
 
-    def mark_pending(self, row: int) -> None:
-        """This step sampled the row's next token on the device, at `row` of its tokens."""
-        self.num_pending_tokens += 1
-        self.pending_row = row
-
-    def confirm_token(self, token_id: int) -> None:
-        """The oldest pending token was read back."""
-        if self.num_pending_tokens < 1:
-            raise RuntimeError(f"{self.request_id}: no pending token to confirm")
-        self.num_pending_tokens -= 1
+    def _append_confirmed(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
 
