@@ -176,6 +176,22 @@ def launch_serve(smollm2_dir):
         s.stop()
 
 
+def run_batch(runner, batch, previous_tokens=None):
+    """`runner.forward` of a hand-built, Sequence-shaped batch (items with `seq`, `num_new_tokens`
+    and `sample`, such as the scheduler's `ScheduledSeq`): the logits of its sampling rows, in batch
+    order. Only tests drive a `ModelRunner` this way; the engine drives it through step plans and
+    the worker's rows."""
+    from tandem.engine_service.worker.input_batch import prepare_host_inputs
+
+    return runner.forward(prepare_host_inputs(batch, runner.block_size), previous_tokens)
+
+
+@pytest.fixture(scope="session")
+def execute():
+    """`run_batch`: a `ModelRunner`'s logits for a hand-built batch."""
+    return run_batch
+
+
 @pytest.fixture(scope="session")
 def server_tools():
     """The process helpers above, for tests that assemble their own topology."""

@@ -1,6 +1,6 @@
 """The `tandem` command: serve, engine, frontend, generate, chat, bench.
 
-Flags come from dataclasses (`engine_service/config.py`, `tandem/cli_options.py`) through
+Flags come from dataclasses (`tandem/engine_service/config.py`, `tandem/cli_options.py`) through
 `tandem.options`: every flag has a help line with its default, a `TANDEM_<FLAG>` environment
 variable and a `--config FILE` key; precedence: command line > environment > config file >
 default. A server command checks its flags before it starts (`tandem.startup_checks`) and a
@@ -39,7 +39,7 @@ from tandem.startup_checks import StartupError
 ENGINE_PACKAGE = "tandem.engine_service"
 
 
-# -- engine flags (their declaration: engine_service/config.py; tests call these two) --------------
+# -- engine flags (their declaration: tandem/engine_service/config.py; tests call these two) --------------
 
 
 def _engine_config(args):

@@ -1,8 +1,8 @@
 """The non-engine options of the `tandem` subcommands, declared once as dataclass fields.
 
 `tandem.options` turns each field into a flag, a `TANDEM_*` environment variable and a
-`--config` key (the engine's own fields live in `engine_service/config.py`). The servers'
-option classes (`frontend/app.py` FrontendOptions, `engine_service/api/app.py`
+`--config` key (the engine's own fields live in `tandem/engine_service/config.py`). The servers'
+option classes (`tandem/frontend/app.py` FrontendOptions, `engine_service/api/app.py`
 EngineServerOptions) are subclasses of these, so a setting's default and help are written once
 and the CLI builds the options with `tandem.options.from_args`. Where the engine's default
 differs (it listens on 127.0.0.1:50052, the frontend on 0.0.0.0:50051), `EngineServerArgs`

@@ -1,7 +1,7 @@
 """One configuration source for the `tandem` command: dataclass fields become flags, environment
 variables and config-file keys.
 
-A field declares itself once, with `metadata` (see `engine_service/config.py` for the keys):
+A field declares itself once, with `metadata` (see `tandem/engine_service/config.py` for the keys):
 its default, its help line and, where it differs from the field name, its flag. From that:
 
 - `add_flags(parser, cls)` adds an argparse flag per field;

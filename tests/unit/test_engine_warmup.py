@@ -1,4 +1,4 @@
-"""The engine's kernel warm-up (`engine_service/warmup.py`), on CPU (forced: it runs on CUDA only).
+"""The engine's kernel warm-up (`tandem/engine_service/core/warmup.py`), on CPU (forced: it runs on CUDA only).
 
 - the prompts span powers of two on and off the 16 grid up to a full step, fill two steps, stay
   within the context and the request bound;

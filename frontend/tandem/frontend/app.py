@@ -56,7 +56,7 @@ class FrontendOptions(ServerArgs, FrontendServingArgs, MetricsArgs):
     # prefill leg on one of `prefill_engines` and a decode leg on one of `decode_engines`.
     prefill_engines: list[str] = field(default_factory=list)
     decode_engines: list[str] = field(default_factory=list)
-    # Several workers on one port (`frontend/workers.py`): this one's index and their count, and
+    # Several workers on one port (`tandem/frontend/workers.py`): this one's index and their count, and
     # the private folder of their relay sockets (an ABORT reaching the wrong worker is relayed).
     relay_dir: str | None = None
     worker_index: int = 0

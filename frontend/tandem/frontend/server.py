@@ -96,7 +96,7 @@ class _Aborted(Exception):
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     """Implements Generate / Stream / Utility on top of an `EnginePool`; with `disaggregated`
     pools, every choice runs as a prefill leg on `pool` (the prefill pool) and a decode leg on
-    the decode pool (`frontend/disaggregation.py`)."""
+    the decode pool (`tandem/frontend/disaggregation.py`)."""
 
     def __init__(self, pool: EnginePool, ids: RequestIdMap, metrics: FrontendMetrics | None = None,
                  access: AccessPolicy | None = None, disaggregated: DisaggregatedPools | None = None,

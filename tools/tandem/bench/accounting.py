@@ -287,7 +287,7 @@ def gdn_sequence_flops(g: GatedDeltaNetShape, seq_len: int, chunk: int = DEFAULT
     """One length-L sequence through one Gated DeltaNet layer, beyond its projections (2 FLOPs per MAC):
 
     - the depthwise convolution, `conv_dim x W` MACs per token;
-    - the chunked delta rule (`kernels/gated_delta_rule.py`), per value head: inside each chunk
+    - the chunked delta rule (`tandem/kernels/gated_delta_rule.py`), per value head: inside each chunk
       of c tokens (C = 64; the last one shorter), the dense `c x c` products `K Kᵀ`, `W = M⁻¹(..K)`,
       `Q Kᵀ` (each `c² K` MACs) and `U = M⁻¹(..V)`, `(Q Kᵀ) V'` (each `c² V`); per token, three
       products with the `K x V` state (`W S`, `Q S`, the update `Kᵀ V'`). The triangular solve

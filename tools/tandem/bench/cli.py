@@ -100,7 +100,7 @@ def _key_value(text: str) -> tuple[str, Any]:
 def _common(p: argparse.ArgumentParser, model: str, max_seconds: float) -> None:
     from tandem.options import add_engine_flags
 
-    # The engine flags `tandem serve` takes (one declaration: engine_service/config.py).
+    # The engine flags `tandem serve` takes (one declaration: tandem/engine_service/config.py).
     add_engine_flags(p)
     g = p.add_argument_group("benchmark output")
     g.add_argument("--out", default=DEFAULT_RESULTS_DIR, help="folder for the result JSON (default: %(default)s)")

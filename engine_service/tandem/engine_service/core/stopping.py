@@ -18,7 +18,7 @@ first).
 
 Only the new token and the last ``len(stop_sequence)`` outputs are inspected, so the cost per
 token is bounded by the stop sequences' total length, never by the output's length. Stop
-*strings* are the frontend's job (it owns the tokenizer); see ``frontend/stops.py``.
+*strings* are the frontend's job (it owns the tokenizer); see ``tandem/frontend/stops.py``.
 """
 
 from __future__ import annotations
