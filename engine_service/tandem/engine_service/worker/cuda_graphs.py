@@ -140,7 +140,7 @@ class DecodeCudaGraphs:
     """Captured decode forward passes, one per bucket, over fixed input and metadata buffers.
 
     `capture()` once at start-up; then `can_run(host)` / `run(host, staging)` per step. `run`
-    returns float32 logits of the sampling rows, like `ModelRunner.execute`.
+    returns float32 logits of the sampling rows, like `ModelRunner.forward`.
 
     `capture_graphs=False` keeps everything but the graphs: each `run` executes the same
     forward eagerly on the same fixed, padded buffers. That is how the padding and buffer logic

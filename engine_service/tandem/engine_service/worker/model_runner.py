@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceOf
-
 import structlog
 import torch
 
@@ -12,9 +10,7 @@ from tandem.engine_service.worker.cuda_graphs import DecodeCudaGraphs, capture_s
 from tandem.engine_service.worker.input_batch import (
     HostInputs,
     PinnedStaging,
-    ScheduledLike,
     host_to_device,
-    prepare_host_inputs,
 )
 from tandem.engine_service.worker.loader import build_model, read_eos_token_ids, resolve_model
 from tandem.engine_service.cache.cache_spec import CacheLayout
@@ -183,10 +179,3 @@ class ModelRunner:
         md = inputs.metadata
         hidden = self.model(inputs.input_ids, md.positions, self.layer_caches, md)
         return self.model.compute_logits(hidden.index_select(0, md.logits_indices)).float()
-
-    def execute(
-        self, batch: SequenceOf[ScheduledLike], previous_tokens: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`forward` of a hand-built, Sequence-shaped batch (tests and tools); the engine never
-        calls it — it drives the runner through step plans and the worker's rows."""
-        return self.forward(prepare_host_inputs(batch, self.block_size), previous_tokens)
