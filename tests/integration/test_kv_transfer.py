@@ -34,7 +34,8 @@ def config(role: str, model: str = MODEL, lease_seconds: float = 30.0, transport
         ModelConfig(model=model, attention_backend="torch", max_model_len=128, seed=3),
         CacheConfig(block_size=BLOCK, num_blocks=128, state_checkpoint_stride=checkpoint_stride),
         SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, overlap_scheduling=overlap),
-        KVTransferConfig(role=role, lease_seconds=lease_seconds, transport=transport),
+        # Producers bind port 0 on loopback: consumers trust every loopback port (development).
+        KVTransferConfig(role=role, lease_seconds=lease_seconds, transport=transport, producers=["127.0.0.1:*"]),
     )
 
 
@@ -251,12 +252,46 @@ def test_lease_expiry_frees_the_producer_and_a_late_decode_leg_fails_cleanly(con
         decoded = decode_leg(consumer, prompts, legs, 4)
         final = decoded["e"].final
         assert final.finish_reason == FinishReason.ERROR
-        assert "kv_transfer_failed" in final.error and "expired" in final.error
+        assert "kv_transfer_refused" in final.error and "expired" in final.error
         assert decoded["e"].tokens == []
         assert consumer.engine.stats().kv_remote_load_failures == 1
         assert_all_free(producer, consumer)
     finally:
         producer.engine.close()
+
+
+def test_refused_decode_legs_release_the_lease_at_once_and_foreign_leases_are_refused(producer, consumer):
+    """Items 4 and 7: a num_prompt_tokens mismatch is refused (kv_transfer_refused, the client's
+    status INVALID_ARGUMENT) and frees the lease now, not at expiry; a decode leg with another
+    prompt's lease (its secret included) gets nothing, decodes no token and frees the lease."""
+    import msgspec
+
+    prompts = {"m": prompt(21, 17), "o": prompt(22, 17)}
+    legs = prefill_leg(producer, prompts)
+    mismatch = msgspec.structs.replace(legs["m"].final.kv_transfer_params, num_prompt_tokens=18)
+    foreign = legs["o"].final.kv_transfer_params  # "o"'s lease on "m"'s prompt
+    out = run(consumer, [request("m-d", prompts["m"] + [legs["m"].tokens[0]], 3, mismatch),
+                         request("x-d", prompts["m"] + [legs["o"].tokens[0]], 3, foreign)])
+    assert "kv_transfer_refused" in out["m-d"].final.error and "num_prompt_tokens" in out["m-d"].final.error
+    assert "kv_transfer_refused" in out["x-d"].final.error and "another prompt" in out["x-d"].final.error
+    assert out["m-d"].tokens == [] and out["x-d"].tokens == []
+    assert_all_free(producer, consumer, timeout=5.0)  # the leases last 30 s: released, not expired
+    assert producer.engine.stats().kv_leases_expired == 0
+
+
+def test_a_killed_producer_ends_the_decode_leg_unavailable(consumer):
+    """Item 8: the producer process is gone before the pull: the decode leg ends with
+    kv_producer_unavailable (UNAVAILABLE for the client: retry both legs), and frees its blocks."""
+    producer = make_core("producer")
+    prompts = {"k": prompt(23, 17)}
+    legs = prefill_leg(producer, prompts)
+    producer.engine.close()  # the pull port closes with it
+    decoded = decode_leg(consumer, prompts, legs, 4)
+    final = decoded["k"].final
+    assert final.finish_reason == FinishReason.ERROR
+    assert final.error.startswith("kv_producer_unavailable"), final.error
+    assert decoded["k"].tokens == []
+    assert_all_free(consumer)
 
 
 def test_abort_of_the_prefill_id_releases_the_lease(producer):
@@ -375,7 +410,7 @@ def _engine_process(tmp_path, role: str, extra: list[str] | None = None):
     port = free_port()
     proc = ServerProcess(["engine", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL, "--seed", "3",
                           "--attention-backend", "torch", "--max-model-len", "128", "--block-size", str(BLOCK),
-                          "--num-kv-blocks", "128", "--kv-role", role, *(extra or [])],
+                          "--num-kv-blocks", "128", "--kv-role", role, "--kv-producer", "127.0.0.1:*", *(extra or [])],
                          stderr=tmp_path / f"{role}.log")
     address = f"127.0.0.1:{port}"
     try:
@@ -633,7 +668,7 @@ def test_hybrid_lease_expiry_frees_blocks_and_the_state_slot(hybrid_next):
         decoded = decode_leg(hybrid_next.consumer, prompts, legs, 4)
         final = decoded["he"].final
         assert final.finish_reason == FinishReason.ERROR
-        assert "kv_transfer_failed" in final.error and "expired" in final.error
+        assert "kv_transfer_refused" in final.error and "expired" in final.error
         assert_all_free(producer, hybrid_next.consumer)
     finally:
         producer.engine.close()
@@ -686,7 +721,7 @@ def test_hybrid_corrupted_state_frame_fails_the_decode_leg_and_frees_both_sides(
         producer.engine.kv.server.tamper_state = None
     final = decoded["hk"].final
     assert final.finish_reason == FinishReason.ERROR
-    assert "kv_transfer_failed" in final.error and "checksum mismatch in the state" in final.error
+    assert "kv_producer_unavailable" in final.error and "checksum mismatch in the state" in final.error
     assert decoded["hk"].tokens == []
     assert_all_free(producer, consumer)
 
@@ -700,7 +735,7 @@ def test_hybrid_decode_leg_without_a_state_slot_is_refused(hybrid_next):
     decoded = decode_leg(consumer, prompts, legs, 4)
     final = decoded["hn"].final
     assert final.finish_reason == FinishReason.ERROR
-    assert "kv_transfer_failed" in final.error and "remote_state_slot" in final.error
+    assert "kv_transfer_refused" in final.error and "remote_state_slot" in final.error
     assert decoded["hn"].tokens == []
     producer.apply(CoreAbort(["hn-p"]))  # the refused leg never contacted the producer
     assert_all_free(producer, consumer)

@@ -33,8 +33,8 @@ def resp(tokens, finish=UNSET, prompt_tokens=0, completion=0, cached=0, lease=No
 class FakeCall:
     """A scripted engine call: yields responses, or raises an RpcError after them."""
 
-    def __init__(self, script, error: grpc.StatusCode | None = None) -> None:
-        self.script, self.error, self.cancelled = script, error, False
+    def __init__(self, script, error: grpc.StatusCode | None = None, details: str = "scripted") -> None:
+        self.script, self.error, self.cancelled, self.details = script, error, False, details
 
     def __aiter__(self):
         return self._gen()
@@ -44,7 +44,7 @@ class FakeCall:
             await asyncio.sleep(0)
             yield r
         if self.error is not None:
-            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), "scripted")
+            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), self.details)
 
     def cancel(self):
         self.cancelled = True
@@ -169,6 +169,22 @@ def test_decode_leg_failure_names_the_decode_replica(code, released):
     assert err.code() == code and err.pool is pools.decode and err.replica.address == "d:1"
     assert err.details().startswith("decode leg on d:1: ")
     assert p.aborts == (["r-1-0"] if released else [])
+
+
+def test_a_dead_producer_behind_the_decode_leg_names_the_prefill_replica():
+    """Item 8: the decode engine answers UNAVAILABLE kv_producer_unavailable (the producer died):
+    the failed replica is the prefill one, so the decode engine stays in rotation."""
+    async def main():
+        dead = FakeCall([], grpc.StatusCode.UNAVAILABLE, "kv_producer_unavailable: cannot reach the KV producer")
+        call, p, d, pools = make([FakeCall([resp([11], LENGTH, 4, 1, lease="L")])], [dead], total=5)
+        with pytest.raises(LegFailed) as err:
+            async for _ in call:
+                pass
+        return err.value, pools
+
+    err, pools = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.pool is pools.prefill and err.replica.address == "p:1"
 
 
 def test_prefill_leg_failure_names_the_prefill_replica_and_releases():

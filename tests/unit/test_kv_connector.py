@@ -34,9 +34,13 @@ from tandem.engine_service.kv_connector.tcp_transport import KVPullServer, Trans
 from tandem.engine_service.kv_connector.wire import (
     BlockFrame,
     PullEnd,
+    PullError,
+    PullRequest,
+    ReleaseLease,
     StateFrame,
     WireError,
     checksum,
+    frame_limit,
     recv_message,
     send_message,
 )
@@ -676,3 +680,294 @@ def test_nixl_transport_pulls_between_two_engines():
     finally:
         for core in (ref, producer, consumer):
             core.engine.close()
+
+
+# -- issue 19: who may pull, what a lease is bound to, bounded frames, statuses ---------------------
+
+
+def _token_server(tokens=("engine-token",), tls: KVCredentials | None = None):
+    table = LeaseTable()
+    blocks = FakeBlocks([{i: bytes([i]) * 64 for i in range(8)}, {i: bytes([100 + i]) * 32 for i in range(8)}])
+    creds = tls if tls is not None else KVCredentials(tokens=tokens)
+    return KVPullServer("127.0.0.1", 0, table, blocks, credentials=creds).start()
+
+
+def _pinnable(table: LeaseTable, lease: Lease) -> bool:
+    """Whether the lease is still live (neither released nor expired)."""
+    if table.pin(lease.lease_id) is None:
+        return False
+    table.unpin(lease.lease_id, release=False)
+    return True
+
+
+def _release(srv: KVPullServer, lease_id: str, **fields) -> object:
+    with connect(srv.host, srv.port, 5) as sock:
+        sock.settimeout(5)
+        send_message(sock, ReleaseLease(lease_id=lease_id, **fields))
+        return recv_message(sock)
+
+
+def test_pull_port_needs_the_engine_token_and_the_lease_secret():
+    """Item 1: a raw client without the engine's token, or without the lease's secret, neither
+    pulls nor releases; with both it pulls."""
+    srv = _token_server()
+    try:
+        lease = _grant(srv.leases, "r", LeasedBlocks("r", [[1, 2], [1, 2]]), 30)
+        with pytest.raises(TransferError, match="bearer token") as err:
+            _pull(srv, lease, [[1], [1]])  # the secret, but no token
+        assert err.value.kind == "unavailable"  # a misconfigured engine, not the caller's parameters
+        with pytest.raises(TransferError, match="not yours") as err:
+            _pull(srv, lease, [[1], [1]], token="engine-token", lease_secret="guessed")
+        assert err.value.kind == "refused"
+        assert isinstance(_release(srv, lease.lease_id), PullError)  # no token, no secret
+        assert isinstance(_release(srv, lease.lease_id, token="engine-token"), PullError)  # no secret
+        assert isinstance(_release(srv, lease.lease_id, token="wrong", lease_secret=lease.secret), PullError)
+        assert _pinnable(srv.leases, lease) and srv.frames_sent == 0
+        got = _pull(srv, lease, [[1, 2], [2]], token="engine-token")
+        assert got == [[bytes([1]) * 64, bytes([2]) * 64], [bytes([102]) * 32]]
+        other = _grant(srv.leases, "s", LeasedBlocks("s", [[3], [3]]), 30)
+        assert isinstance(_release(srv, other.lease_id, token="engine-token", lease_secret=other.secret), PullEnd)
+        _wait_released(srv.leases, other.lease_id)
+    finally:
+        srv.close()
+
+
+def _write_pki(tmp_path):
+    """A CA and a certificate for 127.0.0.1 signed by it (PEM files)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kv test ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "engine")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = {}
+    for name, data in (("ca", ca.public_bytes(serialization.Encoding.PEM)),
+                       ("cert", cert.public_bytes(serialization.Encoding.PEM)),
+                       ("key", key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                 serialization.NoEncryption()))):
+        paths[name] = tmp_path / f"{name}.pem"
+        paths[name].write_bytes(data)
+    return {k: str(v) for k, v in paths.items()}
+
+
+def test_pull_over_mutual_tls_with_the_engine_certificates(tmp_path):
+    """Item 1: with TLS on the engine the pull port speaks TLS only and, with a client CA,
+    requires a client certificate; a consumer with the engine's certificates pulls."""
+    pki = _write_pki(tmp_path)
+    creds = KVCredentials(tokens=("tok",), tls_cert=pki["cert"], tls_key=pki["key"], tls_client_ca=pki["ca"])
+    srv = _token_server(tls=creds)
+    try:
+        lease = _grant(srv.leases, "r", LeasedBlocks("r", [[1], [1]]), 30)
+        with pytest.raises((TransferError, WireError, OSError)):
+            _pull(srv, lease, [[1], [1]], token="tok")  # plaintext: the handshake fails
+        no_cert = KVCredentials(tls_cert=None)
+        assert no_cert.client_context() is None
+        import ssl
+
+        anonymous = ssl.create_default_context(cafile=pki["ca"])  # verifies the server, no client cert
+        with pytest.raises((TransferError, WireError, OSError)):
+            with connect(srv.host, srv.port, 5, anonymous) as sock:
+                sock.settimeout(5)
+                pull_blocks(sock, lease.lease_id, [[1], [1]], [64, 32], token="tok", lease_secret=lease.secret,
+                            prompt_digest=DIGEST)
+        assert _pinnable(srv.leases, lease) and srv.frames_sent == 0
+        with connect(srv.host, srv.port, 5, creds.client_context()) as sock:
+            sock.settimeout(5)
+            assert sock.version() is not None  # TLS
+            got = pull_blocks(sock, lease.lease_id, [[1], [1]], [64, 32], token="tok", lease_secret=lease.secret,
+                              prompt_digest=DIGEST)
+        assert got == [[bytes([1]) * 64], [bytes([101]) * 32]]
+    finally:
+        srv.close()
+
+
+def test_a_client_named_producer_address_causes_no_connection():
+    """Item 2: parameters naming an address the consumer was not configured with are refused
+    before any connection, and no release goes there either."""
+    bait = socket.create_server(("127.0.0.1", 0))
+    bait.settimeout(0.3)
+    port = bait.getsockname()[1]
+    try:
+        bm = _bm()
+        kv = KVConnectorScheduler(KVTransferConfig(role="consumer", producers=["127.0.0.1:9"]), bm, "me", None)
+        seq = _seq("d", list(range(10, 20)), msgspec.structs.replace(_params(9, [[1, 2, 3]]), remote_port=port))
+        with pytest.raises(LoadRefused, match="does not trust"):
+            kv.admit_load(seq)
+        assert bm.num_free_blocks == 32 and kv.take_metadata() is None  # nothing to pull, nothing to release
+        with pytest.raises((TimeoutError, socket.timeout)):
+            bait.accept()
+        # Its own pull address (--kv-role both) and a configured one are trusted.
+        cfg = KVTransferConfig(role="both", producers=["10.0.0.2:6000", "127.0.0.2:*"])
+        assert cfg.trusts_producer("127.0.0.1", 5, own=("127.0.0.1", 5))
+        assert cfg.trusts_producer("10.0.0.2", 6000) and cfg.trusts_producer("127.0.0.2", 1)
+        assert not cfg.trusts_producer("10.0.0.2", 6001) and not cfg.trusts_producer("127.0.0.1", 5)
+        with pytest.raises(ValueError, match="host:port or host:\\*"):
+            KVTransferConfig(role="consumer", producers=["10.0.0.2"])
+    finally:
+        bait.close()
+
+
+def test_a_peer_frame_length_never_sizes_an_allocation_past_the_limit():
+    """Item 3: a frame announcing 1 GiB is refused from its 4-byte header, with nothing
+    allocated for it, on the consumer's side and on the producer's."""
+    import tracemalloc
+
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(struct.pack(">I", 1 << 30) + b"x" * 1024)
+        tracemalloc.start()
+        try:
+            with pytest.raises(TransferError, match="exceeds the limit"):
+                pull_blocks(a, "l", [[1]], [64])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20
+    a, b = socket.socketpair()
+    with a, b:  # a frame within MAX_FRAME_BYTES but past this pull's blocks
+        b.sendall(struct.pack(">I", 64 + 4097))
+        with pytest.raises(WireError, match="exceeds the limit of 4160"):
+            recv_message(a, frame_limit(64))
+    srv = _token_server(tokens=())
+    try:
+        with connect(srv.host, srv.port, 5) as sock:
+            sock.settimeout(5)
+            sock.sendall(struct.pack(">I", 1 << 30))
+            assert sock.recv(1) == b""  # the producer hangs up instead of reading a GiB
+    finally:
+        srv.close()
+
+
+def test_a_lease_serves_only_its_own_prompt_and_its_blocks_once_in_order():
+    """Item 4: another prompt's digest, a block named twice or out of order are refused, and the
+    lease is released (its holder presented the secret and gave up on it)."""
+    srv = _token_server(tokens=())
+    try:
+        for ids, digest, why in (([[1, 2], []], prompt_digest([1, 2, 3]), "another prompt"),
+                                 ([[1, 1], []], DIGEST, "named twice"),
+                                 ([[2, 1], []], DIGEST, "out of the lease's order")):
+            lease = _grant(srv.leases, "r", LeasedBlocks("r", [[1, 2], [1, 2]]), 30)
+            with pytest.raises(TransferError, match=why) as err:
+                _pull(srv, lease, ids, prompt_digest=digest)
+            assert err.value.kind == "refused"
+            _wait_released(srv.leases, lease.lease_id)
+        assert srv.frames_sent == 0
+    finally:
+        srv.close()
+    # The consumer refuses duplicated block ids in the parameters before any pull.
+    bm = _bm()
+    kv = _connector(bm)
+    with pytest.raises(LoadRefused, match="twice"):
+        kv.admit_load(_seq("d", list(range(10, 20)), _params(9, [[4, 4, 5]])))
+    assert bm.num_free_blocks == 32
+    # The load presents the digest of this engine's own prompt (its first num_prompt_tokens).
+    prompt = list(range(10, 20))
+    seq = _seq("e", prompt, _params(9, [[1, 2, 3]]))
+    assert kv.admit_load(seq)
+    spec = [s for s in kv.take_metadata().start_loads if s.request_id == "e"][0]
+    assert spec.prompt_digest == prompt_digest(prompt[:9]) and spec.lease_secret == "S"
+
+
+def test_refused_and_failed_loads_end_with_statuses_that_say_what_to_do():
+    """Items 7 and 8: a refusal (e.g. num_prompt_tokens or block_size mismatch) is
+    INVALID_ARGUMENT and releases its lease; an unreachable producer is UNAVAILABLE."""
+    import grpc
+
+    from tandem.core_protocol import RequestOutput, SchedulerReason, SchedulerStop
+    from tandem.engine_service.api.server import error_status
+    from tandem.engine_service.kv_connector.metadata import KVLoadReport
+    from tandem.engine_service.kv_connector.scheduler_side import _failure_reason
+
+    bm = _bm()
+    kv = _connector(bm)
+    for params in (_params(10, [[1, 2, 3]]), msgspec.structs.replace(_params(9, [[1, 2, 3]]), block_size=8)):
+        with pytest.raises(LoadRefused):
+            kv.admit_load(_seq("d", list(range(10, 20)), params))
+        assert kv.take_metadata().release_leases == [("127.0.0.1", 9, "L", "S")]
+
+    def status(reason):
+        return error_status(RequestOutput("r", finished=True, stop_reason=SchedulerStop(reason, "x")))
+
+    assert status(SchedulerReason.KV_TRANSFER_REFUSED) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status(SchedulerReason.KV_PRODUCER_UNAVAILABLE) == grpc.StatusCode.UNAVAILABLE
+    assert status(SchedulerReason.KV_TRANSFER_FAILED) == grpc.StatusCode.INTERNAL
+    report = KVLoadReport(failed={"a": "x", "b": "y", "c": "z"}, refused=["a"], write_failed=["c"])
+    assert [_failure_reason(report, r) for r in "abc"] == [SchedulerReason.KV_TRANSFER_REFUSED,
+                                                           SchedulerReason.KV_PRODUCER_UNAVAILABLE,
+                                                           SchedulerReason.KV_TRANSFER_FAILED]
+
+
+def _load_spec(rid: str, host: str, port: int, lease: Lease, remote, local, num_tokens: int) -> LoadSpec:
+    return LoadSpec(request_id=rid, remote_engine_id="prod", remote_host=host, remote_port=port,
+                    lease_id=lease.lease_id, transport="tcp", remote_block_ids=remote, local_block_ids=local,
+                    num_tokens=num_tokens, lease_secret=lease.secret, prompt_digest=DIGEST)
+
+
+def test_a_killed_producer_fails_the_load_as_unavailable():
+    """Item 8: a producer that is gone, or dies mid-pull, fails the load as not refused
+    (UNAVAILABLE), never as the caller's fault."""
+    layout = CacheLayout((CacheGroup("full_attention", FullAttentionSpec(2, 8, "float32"), (0, 1)),))
+    dst_io = KVBlockIO(layout, _tensors(layout, 2))
+    worker = KVConnectorWorker(dst_io, timeout_s=5)
+    dead = socket.create_server(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()  # nothing listens there any more
+    dying = socket.create_server(("127.0.0.1", 0))
+    lease = Lease("L", "p", LeasedBlocks("p", [[1, 2]]), 0.0)
+    try:
+        worker.apply(KVConnectorMetadata(start_loads=[_load_spec("gone", "127.0.0.1", dead_port, lease, [[1]],
+                                                                 [[3]], 4)]))
+        assert worker.wait(10)
+        report = worker.poll()
+        assert "cannot reach the KV producer" in report.failed["gone"] and report.refused == []
+        worker.apply(KVConnectorMetadata(start_loads=[_load_spec("mid", "127.0.0.1", dying.getsockname()[1], lease,
+                                                                 [[1, 2]], [[3, 4]], 8)]))
+        conn, _ = dying.accept()
+        with conn:
+            conn.settimeout(5)
+            recv_message(conn)  # the pull request
+            data = b"z" * dst_io.block_bytes[0]
+            send_message(conn, BlockFrame(group=0, index=0, data=data, crc32=checksum(data)))
+        # ... and the producer process dies before the second block.
+        assert worker.wait(10)
+        report = worker.poll()
+        assert "connection" in report.failed["mid"] and report.refused == []
+    finally:
+        dying.close()
+        worker.close()
+
+
+def test_a_consumer_killed_mid_pull_releases_the_lease_on_the_producer():
+    """R9: the consumer's connection ends after the first frame: the lease is unpinned and
+    released (the producer never waits for expiry)."""
+    srv = _token_server(tokens=())
+    try:
+        lease = _grant(srv.leases, "r", LeasedBlocks("r", [[1, 2, 3, 4], [1, 2, 3, 4]]), 30)
+        sock = connect(srv.host, srv.port, 5)
+        sock.settimeout(5)
+        send_message(sock, PullRequest(lease_id=lease.lease_id, block_ids=[[1, 2, 3, 4], [1, 2, 3, 4]],
+                                       lease_secret=lease.secret, prompt_digest=DIGEST))
+        assert isinstance(recv_message(sock), BlockFrame)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset, as when the process dies
+        _wait_released(srv.leases, lease.lease_id)
+        assert [x.lease_id for x in srv.leases.take_releasable()] == [lease.lease_id]
+    finally:
+        srv.close()

@@ -182,3 +182,52 @@ def test_python_client_dict_becomes_the_typed_message():
     assert dict(req.kv_transfer_params.extra) == {"x": 1}
     with pytest.raises(InvalidRequest):
         kv_transfer_from_dict({"remote_port": "no"})
+
+
+def test_the_header_accepts_the_producer_parameters_as_protobuf_prints_them():
+    """Issue 19 item 10: the returned parameters printed by json_format (camelCase, int64 as
+    strings, groups as {"blockIds": [...]}) come back as the same parameters, not as extra."""
+    from google.protobuf import json_format
+
+    returned = KVTransferParams(do_remote_prefill=True, remote_engine_id="prod", remote_host="10.0.0.2",
+                                remote_port=6000, remote_block_ids=[7, 8], remote_group_block_ids=[[7, 8], [9, 10]],
+                                remote_state_slot=3, num_prompt_tokens=17, first_token_id=42, lease_id="L",
+                                lease_expiry_unix=1.5e9, remote_transport="tcp", block_size=16, lease_secret="S",
+                                extra={"router": "r1"})
+    printed = json_format.MessageToDict(kv_transfer_to_proto(returned))
+    assert "remoteBlockIds" in printed and printed["remoteBlockIds"] == ["7", "8"]  # the printer's form
+    parsed = kv_transfer_from_header(json.dumps(printed))
+    assert parsed == returned and parsed.extra == {"router": "r1"}
+    # The field names still work, and an int32 given as a string is still refused.
+    assert kv_transfer_from_header(json.dumps(returned.to_dict())) == returned
+    with pytest.raises(InvalidRequest):
+        kv_transfer_from_header(json.dumps({"remotePort": "6000"}))
+    with pytest.raises(InvalidRequest, match="remote_block_ids"):
+        kv_transfer_from_header(json.dumps({"remoteBlockIds": ["7", "x"]}))
+
+
+def test_only_extra_is_public():
+    """What a frontend shows a caller it does not trust: extra, never a pull address, lease,
+    secret or block ids; and what it refuses from one: anything besides extra."""
+    from tandem.protocol import kv_params_steer, public_kv_params
+
+    full = kv_transfer_to_proto(KVTransferParams(do_remote_prefill=True, remote_host="10.0.0.2", remote_port=6000,
+                                                 lease_id="L", lease_secret="S", remote_block_ids=[1],
+                                                 extra={"router": "r1"}))
+    shown = public_kv_params(full)
+    assert kv_transfer_from_proto(shown) == KVTransferParams(extra={"router": "r1"})
+    assert public_kv_params(kv_transfer_to_proto(KVTransferParams(lease_id="L"))) is None
+    assert kv_params_steer(full) and not kv_params_steer(shown)
+    assert kv_params_steer(kv_transfer_to_proto(KVTransferParams(do_remote_decode=True)))
+
+
+def test_error_details_echo_a_bounded_part_of_what_the_caller_sent():
+    """Issue 19 item 16: a 24 KiB id is echoed in at most MAX_ECHO_CHARS characters (a status's
+    details travel in trailing metadata, bounded to 8 KiB by default)."""
+    from tandem.error_text import MAX_DETAIL_CHARS, MAX_ECHO_CHARS, bounded, echo
+
+    long_id = "x" * (24 * 1024)
+    text = f"request_id {echo(long_id)} is not in flight"
+    assert len(text) < MAX_ECHO_CHARS + 64 and "(24576 characters)" in text
+    assert echo("abc") == "'abc'"
+    assert len(bounded("e" * 100_000)) < MAX_DETAIL_CHARS + 32 and bounded("short") == "short"
