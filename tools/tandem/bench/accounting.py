@@ -211,14 +211,35 @@ def decode_experts_read(s: Any, batch: int) -> float | None:
     return None if m is None else expected_distinct_experts(m.num_experts, m.top_k, batch)
 
 
-def decode_weight_bytes(s: Any, batch: int, dtype_bytes: int) -> int:
+def fp8_bytes_per_weight(block: tuple[int, int], row: int) -> float:
+    """Bytes one FP8 weight element takes with its share of the float32 block scales
+    (`block` as `tandem.kernels.fp8_gemm` has it; a block wider than `row` spans the row)."""
+    return 1.0 + 4.0 / (block[0] * min(block[1], row))
+
+
+def _router_params(s: Any) -> int:
+    """Router weights of every sparse layer (kept in the model dtype when the rest is FP8)."""
+    m = moe_spec(s)
+    if m is None:
+        return 0
+    per_layer = m.num_experts * s.hidden_size + (s.hidden_size if m.shared_expert_intermediate_size else 0)
+    return per_layer * sum(layer.sparse for layer in layer_counts(s))
+
+
+def decode_weight_bytes(s: Any, batch: int, dtype_bytes: int, matmul_bytes: float | None = None) -> int:
     """Weight bytes one decode step of `batch` sequences reads from memory (MoE: only the
-    experts expected to be picked, see `decode_experts_read`)."""
+    experts expected to be picked, see `decode_experts_read`). `matmul_bytes`: bytes per element
+    of the projections and experts when they are stored narrower than the model dtype (FP8:
+    `fp8_bytes_per_weight`); the routers, norms, embedding and LM head stay at `dtype_bytes`."""
     matmul = _all_matmul_params(s, decode_experts_read(s, batch))
-    layers = round(matmul) + _all_other_params(s)
     head = s.vocab_size * s.hidden_size  # the LM head is read in full (tied or not)
     embedding_rows = 0 if s.tie_word_embeddings else batch * s.hidden_size  # tied: inside the head
-    return (layers + s.hidden_size + head + embedding_rows) * dtype_bytes
+    if matmul_bytes is None:
+        layers = round(matmul) + _all_other_params(s)
+        return (layers + s.hidden_size + head + embedding_rows) * dtype_bytes
+    routers = _router_params(s)
+    narrow = (matmul - routers) * matmul_bytes
+    return round(narrow + (routers + _all_other_params(s) + s.hidden_size + head + embedding_rows) * dtype_bytes)
 
 
 def _kv_bytes_per_layer_token(a: AttentionLayer, dtype_bytes: int) -> int:

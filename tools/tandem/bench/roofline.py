@@ -44,6 +44,7 @@ from tandem.bench.accounting import (
     decode_kv_bytes,
     decode_state_bytes,
     decode_weight_bytes,
+    fp8_bytes_per_weight,
     kv_bytes_per_token,
     prefill_flops,
     shape_from_hf_config,
@@ -309,6 +310,20 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _fp8_block(model: torch.nn.Module) -> tuple[int, int] | None:
+    """The block of the model's FP8 weights (`--quantization`), None when none is FP8."""
+    from tandem.engine_service.layers.fp8 import scale_of
+
+    return next((found[1] for found in map(scale_of, model.parameters()) if found is not None), None)
+
+
+def _matmul_bytes(model: torch.nn.Module, shape: Any) -> float | None:
+    """Bytes per projection weight as the model stores them: FP8 plus its scales, or None (the
+    model dtype), for the floor's weight bytes."""
+    block = _fp8_block(model)
+    return None if block is None else fp8_bytes_per_weight(block, shape.hidden_size)
+
+
 def uniform_window(shape: Any) -> int | None:
     """The window when every attention layer attends over the same one (so whole blocks can be
     given back), else None."""
@@ -391,7 +406,10 @@ def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptio
             "params_in_module": built,
             "kv_bytes_per_token": kv_bytes_per_token(shape, dtype_bytes),
             "state_bytes_per_request": state_bytes_per_request(shape, dtype_bytes),
-            "decode_weight_bytes_batch1": decode_weight_bytes(shape, 1, dtype_bytes),
+            "fp8_block": _fp8_block(runner.model),
+            "matmul_bytes_per_weight": _matmul_bytes(runner.model, shape),
+            "decode_weight_bytes_batch1": decode_weight_bytes(shape, 1, dtype_bytes,
+                                                              _matmul_bytes(runner.model, shape)),
         }
         if built != total_params(shape):
             log.warning("parameter count differs from the config's", module=built, config=total_params(shape))
@@ -408,7 +426,8 @@ def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptio
     for context in options.contexts:
         for batch in options.batches:
             res["decode"].append(_decode_point(worker, shape, dtype_bytes, batch, context, bandwidth, options,
-                                               decode_deadline, rng, max_len, record))
+                                               decode_deadline, rng, max_len, record,
+                                               _matmul_bytes(runner.model, shape)))
     res["prefill"] = []
     for num_seqs, seq_len in options.prefill_shapes:
         res["prefill"].append(_prefill_point(worker, shape, num_seqs, seq_len, matmul_rate, options, deadline, rng,
@@ -424,8 +443,8 @@ def _point_base(**kw: Any) -> dict[str, Any]:
 
 def _decode_point(worker: Any, shape: Any, dtype_bytes: int, batch: int, context: int,
                   bandwidth: float | None, options: RooflineOptions, deadline: Deadline, rng: np.random.Generator,
-                  max_len: int, record: BenchRecord) -> dict[str, Any]:
-    weight_bytes = decode_weight_bytes(shape, batch, dtype_bytes)
+                  max_len: int, record: BenchRecord, matmul_bytes: float | None = None) -> dict[str, Any]:
+    weight_bytes = decode_weight_bytes(shape, batch, dtype_bytes, matmul_bytes)
     kv_bytes = decode_kv_bytes(shape, batch, context, dtype_bytes)
     state_bytes = decode_state_bytes(shape, batch, dtype_bytes)
     point = _point_base(batch=batch, context=context, weight_bytes=weight_bytes, kv_bytes=kv_bytes)

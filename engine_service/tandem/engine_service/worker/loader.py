@@ -32,10 +32,13 @@ from torch import nn
 
 from tandem.engine_service.dummy_configs import get_dummy_config
 from tandem.engine_service.layers.backend_select import select_attention_backend
+from tandem.engine_service.layers.fp8 import SCALE_SUFFIX, is_fp8
 from tandem.engine_service.layers.linear import default_weight_loader
 from tandem.engine_service.layers.moe import ExpertWeights, per_expert_checkpoint_name
 from tandem.engine_service.layers.norm import RMSNorm
 from tandem.engine_service.models.registry import get_model_class
+from tandem.engine_service.worker.quantization import CheckpointFp8, quantize_model, read_checkpoint_fp8
+from tandem.kernels.fp8_gemm import FP8_DTYPE
 from tandem.model_spec import DUMMY_PREFIX, EMBEDDED_MODELS, embedded_model_path, is_hub_id, resolve_hub_model
 
 __all__ = ["DUMMY_PREFIX", "EMBEDDED_MODELS", "embedded_model_path"]
@@ -187,11 +190,13 @@ def build_model(
     dtype: torch.dtype,
     seed: int = 0,
     attention_backend: str = "auto",
+    quantization: str = "auto",
 ) -> nn.Module:
     """Construct the model on `device` in `dtype` and fill it (checkpoint or seeded dummy).
 
     `attention_backend` (`auto`, `torch`, `triton`) picks the attention implementation and,
-    with it, the op set of every layer (see `select_attention_backend`)."""
+    with it, the op set of every layer (see `select_attention_backend`). `quantization`
+    (`auto`, `none`, `fp8`) picks the layers that hold FP8 weights (`worker/quantization.py`)."""
     start = time.monotonic()
     cls = get_model_class(resolved.config)
     cfg = cls.config_from_hf(resolved.config)
@@ -199,17 +204,24 @@ def build_model(
     # Parameters are allocated uninitialised directly on the device: no CPU staging, no init cost.
     with torch.device(device), _default_dtype(dtype):
         model = cls(cfg, select_attention_backend(device, attention_backend))
+    fp8 = None if resolved.is_dummy else read_checkpoint_fp8(resolved.config, _stored_names(resolved.path))
+    block = quantize_model(model, quantization, fp8, getattr(model, "checkpoint_name", None))
     if resolved.is_dummy:
         init_dummy_weights(model, seed)
     else:
         assert resolved.path is not None
-        load_weights(model, resolved.path)
+        load_weights(model, resolved.path, fp8)
     log.info(
         "model loaded", cls=cls.__name__, dummy=resolved.is_dummy, device=str(device), dtype=str(dtype),
-        attention=model.attn_backend.name,
+        attention=model.attn_backend.name, fp8_block=block,
         seconds=round(time.monotonic() - start, 2),
     )
     return model.eval()
+
+
+def _stored_names(path: str | None) -> list[str]:
+    """Every tensor name of the checkpoint in `path` (headers only)."""
+    return [name for file in sorted(Path(path or ".").glob("*.safetensors")) for name in _stored_names_of(file)]
 
 
 def _is_ignored_checkpoint_name(name: str) -> bool:
@@ -218,7 +230,7 @@ def _is_ignored_checkpoint_name(name: str) -> bool:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
+def load_weights(model: nn.Module, path: str | os.PathLike[str], fp8: CheckpointFp8 | None = None) -> None:
     """Copy every tensor of the `*.safetensors` files in `path` into `model`, by name.
 
     Tensors are cast to each parameter's dtype and device. Raises `WeightLoadError` listing
@@ -229,6 +241,11 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     every expert's every part arrived. A model may rename checkpoint names, or drop tensors it
     does not serve, with a static `checkpoint_name(name) -> str | None` (e.g. the text part of a
     vision-language checkpoint); names in messages are the checkpoint's.
+
+    FP8 (`fp8`, the checkpoint's layout from `read_checkpoint_fp8`): a stored FP8 weight loads as
+    stored into an FP8 parameter, its scales into the parameter's `*_scale_inv` (converted to the
+    parameter's blocks), and is dequantized into a parameter in the model dtype; a float weight
+    loaded into an FP8 parameter is quantized, scales included (`--quantization fp8`).
     """
     rename = getattr(model, "checkpoint_name", None)
     files = sorted(Path(path).glob("*.safetensors"))
@@ -242,13 +259,37 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
     loaded: set[str] = set()
     unexpected: list[str] = []
     misshapen: list[str] = []
+    where = {name: file for file in files for name in _stored_names_of(file)}
+
+    def read(stored: str) -> torch.Tensor:
+        with safe_open(str(where[stored]), framework="pt", device="cpu") as g:
+            return g.get_tensor(stored)
+
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for stored in f.keys():
-                name = rename(stored) if rename is not None else stored
+                # A stored scale loads under its weight's (renamed) name + _scale_inv.
+                scale_of = fp8.scale_weight_name(stored) if fp8 is not None else None
+                if scale_of is not None:
+                    scale_of = rename(scale_of) if rename is not None else scale_of
+                    name = None if scale_of is None else scale_of + SCALE_SUFFIX
+                else:
+                    name = rename(stored) if rename is not None else stored
                 if name is None or _is_ignored_checkpoint_name(name) or name in aliases:
                     continue
                 param = params.get(name)
+                if scale_of is not None and param is None:
+                    per_expert = per_expert_checkpoint_name(scale_of)
+                    owner = experts.get(per_expert[0]) if per_expert else None
+                    if per_expert is not None and owner is not None and owner.weight_block is not None:
+                        stacked, expert, proj = per_expert
+                        try:
+                            owner.load_expert_scale(proj, expert, f.get_tensor(stored), fp8.block)  # type: ignore[union-attr]
+                        except ValueError as e:
+                            misshapen.append(f"{stored}: {e}")
+                            continue
+                        expert_parts.setdefault(stacked + SCALE_SUFFIX, set()).add((expert, proj))
+                    continue  # else its weight is held in the model dtype: read when it is dequantized
                 if param is None:
                     per_expert = per_expert_checkpoint_name(name)
                     owner = experts.get(per_expert[0]) if per_expert else None
@@ -257,22 +298,29 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
                         continue
                     stacked, expert, proj = per_expert
                     try:
-                        owner.load_expert(proj, expert, f.get_tensor(stored))
+                        tensor = _stored_weight(f, stored, owner.weight_block is not None, fp8, read)
+                        owner.load_expert(proj, expert, tensor)
                     except ValueError as e:
                         misshapen.append(f"{stored}: {e}")
                         continue
                     expert_parts.setdefault(stacked, set()).add((expert, proj))
+                    if owner.weight_block is not None and tensor.dtype != FP8_DTYPE:  # quantized here
+                        expert_parts.setdefault(stacked + SCALE_SUFFIX, set()).add((expert, proj))
                     continue
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
-                    loader(param, f.get_tensor(stored))
+                    tensor = _stored_weight(f, stored, is_fp8(param), fp8, read)
+                    loader(param, tensor)
                 except ValueError as e:
                     misshapen.append(f"{stored}: {e}")
                     continue
                 loaded.add(name)
+                if is_fp8(param) and tensor.dtype != FP8_DTYPE:  # quantized here, scales included
+                    loaded.add(name + SCALE_SUFFIX)
     for stacked, parts in expert_parts.items():
-        owner = experts[stacked]
-        if len(parts) == owner.num_experts * owner.parts_per_expert(stacked.rsplit(".", 1)[1]):
+        weight = stacked.removesuffix(SCALE_SUFFIX)
+        owner = experts[weight]
+        if len(parts) == owner.num_experts * owner.parts_per_expert(weight.rsplit(".", 1)[1]):
             loaded.add(stacked)
     missing = sorted(params.keys() - loaded)
     if missing or unexpected or misshapen:
@@ -280,6 +328,22 @@ def load_weights(model: nn.Module, path: str | os.PathLike[str]) -> None:
             f"checkpoint {path} does not match {type(model).__name__}: "
             f"missing={_preview(missing)} unexpected={_preview(unexpected)} misshapen={_preview(misshapen)}"
         )
+
+
+def _stored_names_of(file: Path) -> list[str]:
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return list(f.keys())
+
+
+def _stored_weight(f: Any, stored: str, keep_fp8: bool, fp8: CheckpointFp8 | None,
+                   read: Any) -> torch.Tensor:
+    """The stored tensor `stored`; an FP8 one dequantized (float32) unless `keep_fp8`."""
+    tensor = f.get_tensor(stored)
+    if tensor.dtype != FP8_DTYPE or keep_fp8:
+        return tensor
+    if fp8 is None:
+        raise ValueError("an FP8 tensor in a checkpoint whose config declares no FP8 quantization")
+    return fp8.dequantize(stored, tensor, read)
 
 
 def _preview(names: list[str], limit: int = 8) -> str:
@@ -292,10 +356,13 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
 
     Small weights keep activations and logits in a realistic, non-degenerate range; the same
     seed gives the same weights on the same device type. A module with a `dummy_weight_value`
-    (a zero-centred norm: 0) gets its weight filled with that instead.
+    (a zero-centred norm: 0) gets its weight filled with that instead. An FP8 weight gets
+    normal(0, 1) values (cast to e4m3, one leading slice at a time) and scales of `std`, so its
+    dequantized values are normal(0, std) too.
     """
     fills = {id(m.weight): 1.0 for m in model.modules() if isinstance(m, RMSNorm)}
     fills |= {id(m.weight): float(m.dummy_weight_value) for m in model.modules() if hasattr(m, "dummy_weight_value")}
+    fills |= {id(p.fp8_scale): std for p in model.parameters() if is_fp8(p)}  # type: ignore[attr-defined]
     generators: dict[torch.device, torch.Generator] = {}
     for _, param in model.named_parameters():
         if id(param) in fills:
@@ -305,6 +372,10 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device)
             gen.manual_seed(seed)
+        if param.dtype == FP8_DTYPE:
+            for part in param.view(-1, *param.shape[-2:]):
+                part.copy_(torch.randn(part.shape, generator=gen, device=part.device))
+            continue
         param.normal_(0.0, std, generator=gen)
 
 
