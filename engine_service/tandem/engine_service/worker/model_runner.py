@@ -63,7 +63,8 @@ class ModelRunner:
         self.model_path: str | None = resolved.path
         self.is_dummy = resolved.is_dummy
         self.model = build_model(
-            resolved, self.device, self.dtype, seed=mc.seed, attention_backend=mc.attention_backend
+            resolved, self.device, self.dtype, seed=mc.seed, attention_backend=mc.attention_backend,
+            quantization=mc.quantization,
         )
         self.attention_backend: str = self.model.attn_backend.name
         arch = self.model.config
