@@ -192,7 +192,7 @@ def test_gpu_only_measurements_raise_a_clear_error_on_cpu(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # no result file for a run that cannot happen
 
 
-def test_roofline_drives_the_runner_through_a_step_plan(one_torch_thread):
+def test_roofline_drives_the_runner_through_a_step_plan(one_torch_thread, execute):
     """The roofline's fake batches reach the runner as the engine's do (a step plan applied to a
     worker's rows); on CPU the logits equal the Sequence-shaped input path's on the same tokens."""
     import numpy as np
@@ -227,7 +227,7 @@ def test_roofline_drives_the_runner_through_a_step_plan(one_torch_thread):
         seq = Sequence(req.request_id, req.token_ids, req.sampling_params)
         seq.block_table, seq.num_computed_tokens = req.block_ids[0], req.num_computed_tokens
         seqs.append(ScheduledSeq(seq, 1, True))
-    torch.testing.assert_close(logits, runner.execute(seqs), atol=0, rtol=0)
+    torch.testing.assert_close(logits, execute(runner, seqs), atol=0, rtol=0)
     assert logits.shape == (3, runner.vocab_size)
     planned.release()
     assert len(worker.rows) == 0

@@ -1,5 +1,6 @@
-"""ModelRunner: loading through EngineConfig, attributes the engine relies on, and `execute`
-(batched prefill chunks and decodes, sampling rows only) against Hugging Face logits."""
+"""ModelRunner: loading through EngineConfig, attributes the engine relies on, and its forward
+of hand-built batches (the `execute` fixture: batched prefill chunks and decodes, sampling rows
+only) against Hugging Face logits."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_runner_sizes_cache_from_cpu_budget() -> None:
     assert runner.model_path is None and runner.eos_token_ids == (2,)
 
 
-def test_execute_returns_sampling_rows_in_batch_order(checkpoint) -> None:
+def test_execute_returns_sampling_rows_in_batch_order(checkpoint, execute) -> None:
     hf, path = checkpoint
     runner = ModelRunner(engine_config(str(path)))
     alloc = Allocator(runner.num_blocks)
@@ -100,7 +101,7 @@ def test_execute_returns_sampling_rows_in_batch_order(checkpoint) -> None:
     work = [Scheduled(seqs[0], 6, False), Scheduled(seqs[1], 7, True), Scheduled(seqs[2], 9, True)]
     for w in work:
         alloc.cover(w.seq, w.seq.num_computed_tokens + w.num_new_tokens)
-    logits = runner.execute(work)
+    logits = execute(runner, work)
     assert logits.dtype == torch.float32 and logits.shape == (2, 320)
     torch.testing.assert_close(logits[0], hf_last_logits(hf, prompts[1]), atol=1e-4, rtol=0)
     torch.testing.assert_close(logits[1], hf_last_logits(hf, prompts[2]), atol=1e-4, rtol=0)
@@ -115,51 +116,51 @@ def test_execute_returns_sampling_rows_in_batch_order(checkpoint) -> None:
     work = [Scheduled(seqs[2], 1, True), Scheduled(seqs[0], 7, True), Scheduled(seqs[1], 1, True)]
     for w in work:
         alloc.cover(w.seq, w.seq.num_computed_tokens + w.num_new_tokens)
-    logits = runner.execute(work)
+    logits = execute(runner, work)
     assert logits.shape == (3, 320)
     for row, w in zip(logits, work):
         torch.testing.assert_close(row, hf_last_logits(hf, w.seq.token_ids), atol=1e-4, rtol=0)
 
 
-def test_execute_with_no_sampling_rows(checkpoint) -> None:
+def test_execute_with_no_sampling_rows(checkpoint, execute) -> None:
     _, path = checkpoint
     runner = ModelRunner(engine_config(str(path)))
     seq = Sequence("a", list(range(10)), SamplingParams())
     Allocator(runner.num_blocks).cover(seq, 5)
-    assert runner.execute([Scheduled(seq, 5, False)]).shape == (0, 320)
+    assert execute(runner, [Scheduled(seq, 5, False)]).shape == (0, 320)
 
 
-def test_execute_rejects_uncovered_tokens(checkpoint) -> None:
+def test_execute_rejects_uncovered_tokens(checkpoint, execute) -> None:
     _, path = checkpoint
     runner = ModelRunner(engine_config(str(path)))
     seq = Sequence("a", list(range(10)), SamplingParams())
     seq.block_table = [0]  # 4 slots for 10 tokens
     with pytest.raises(ValueError, match="blocks"):
-        runner.execute([Scheduled(seq, 10, True)])
+        execute(runner, [Scheduled(seq, 10, True)])
     with pytest.raises(ValueError, match="cannot run"):
-        runner.execute([Scheduled(seq, 11, True)])
+        execute(runner, [Scheduled(seq, 11, True)])
 
 
-def test_bfloat16_runner_tracks_float32(checkpoint) -> None:
+def test_bfloat16_runner_tracks_float32(checkpoint, execute) -> None:
     hf, path = checkpoint
     runner = ModelRunner(engine_config(str(path), dtype="bfloat16"))
     assert runner.kv_caches[0].dtype == torch.bfloat16
     tokens = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     seq = Sequence("a", tokens, SamplingParams())
     Allocator(runner.num_blocks).cover(seq, len(tokens))
-    logits = runner.execute([Scheduled(seq, len(tokens), True)])[0]
+    logits = execute(runner, [Scheduled(seq, len(tokens), True)])[0]
     ref = hf_last_logits(hf, tokens)
     assert torch.isfinite(logits).all()
     # bf16 weights and activations: agreement to a few percent of the logit scale.
     assert (logits - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def test_dummy_runner_is_seeded() -> None:
+def test_dummy_runner_is_seeded(execute) -> None:
     def last_logits(seed: int) -> torch.Tensor:
         runner = ModelRunner(engine_config("dummy:tiny-qwen2", seed=seed))
         seq = Sequence("a", [3, 1, 4, 1, 5, 9], SamplingParams())
         Allocator(runner.num_blocks).cover(seq, 6)
-        return runner.execute([Scheduled(seq, 6, True)])[0]
+        return execute(runner, [Scheduled(seq, 6, True)])[0]
 
     a, b, c = last_logits(0), last_logits(0), last_logits(1)
     torch.testing.assert_close(a, b, atol=0, rtol=0)

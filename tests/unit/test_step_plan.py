@@ -473,7 +473,7 @@ def test_given_back_window_entries_are_marked_in_the_rows() -> None:
 # -- 4. old/new end to end on a real (tiny) model ---------------------------------------------------
 
 
-def _sequence_path_tokens(runner, config: EngineConfig, requests) -> dict[str, list[int]]:
+def _sequence_path_tokens(runner, execute, config: EngineConfig, requests) -> dict[str, list[int]]:
     """The engine loop as it was before the plan: the runner and the sampler read the scheduler's
     Sequences directly (no overlap)."""
     from tandem.engine_service.cache.block_manager import BlockManager
@@ -492,7 +492,7 @@ def _sequence_path_tokens(runner, config: EngineConfig, requests) -> dict[str, l
     while scheduler.has_work():
         out = scheduler.schedule()
         if out.scheduled:
-            logits = runner.execute(out.scheduled)
+            logits = execute(runner, out.scheduled)
             sampling = [item.seq for item in out.scheduled if item.sample]
             for seq, token in zip(sampling, sampler.sample(logits, sampling).token_ids):
                 seq.append_token(token)
@@ -503,7 +503,7 @@ def _sequence_path_tokens(runner, config: EngineConfig, requests) -> dict[str, l
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
-def test_engine_through_plans_matches_the_sequence_path_on_a_real_model(overlap: str) -> None:
+def test_engine_through_plans_matches_the_sequence_path_on_a_real_model(overlap: str, execute) -> None:
     from tandem.engine_service.worker.model_runner import ModelRunner
 
     def config(mode: str) -> EngineConfig:
@@ -526,7 +526,7 @@ def test_engine_through_plans_matches_the_sequence_path_on_a_real_model(overlap:
                                 frequency_penalty=0.5 if i == 4 else 0.0)
         prompt = (shared if i % 2 else []) + [rng.randrange(3, 300) for _ in range(5 + 2 * i)]
         requests.append((f"r{i}", prompt, params))
-    expected = _sequence_path_tokens(runner, config("off"), requests)
+    expected = _sequence_path_tokens(runner, execute, config("off"), requests)
     engine = LLMEngine(config(overlap), runner=runner)
     for rid, tokens, params in requests:
         engine.add_request(rid, tokens, params)

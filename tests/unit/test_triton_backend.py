@@ -159,13 +159,13 @@ def hf_checkpoint(request, tmp_path_factory) -> tuple[torch.nn.Module, Path]:
     return hf, path
 
 
-def test_checkpoint_loads_into_merged_weights(hf_checkpoint) -> None:
+def test_checkpoint_loads_into_merged_weights(hf_checkpoint, execute) -> None:
     """Loading by name writes through the views: the Triton runner matches Hugging Face (for
     Qwen3 with the q/k norm fused into the RoPE kernel, reading the loaded norm weights)."""
     hf, path = hf_checkpoint
     runner = ModelRunner(engine_config(str(path), "triton"))
     seq = Sequence("a", tokens(11, seed=1), SamplingParams())
-    logits = runner.execute(Allocator().cover([Scheduled(seq, 11, True)]))
+    logits = execute(runner, Allocator().cover([Scheduled(seq, 11, True)]))
     with torch.no_grad():
         ref = hf(torch.tensor([seq.prompt_token_ids])).logits[0, -1].float()
     assert ref.abs().max() > 0.5
@@ -194,7 +194,7 @@ def count_qk_norm_calls(model: torch.nn.Module) -> list[int]:
 
 
 @pytest.mark.parametrize("model", ["dummy:tiny-qwen3", "dummy:tiny-llama"])
-def test_triton_runner_matches_torch_runner(model: str) -> None:
+def test_triton_runner_matches_torch_runner(model: str, execute) -> None:
     ref = ModelRunner(engine_config(model, "torch"))
     tri = ModelRunner(engine_config(model, "triton"))
     assert (ref.attention_backend, tri.attention_backend) == ("torch-reference", "triton")
@@ -209,7 +209,7 @@ def test_triton_runner_matches_torch_runner(model: str) -> None:
 
     def step(work: list[Scheduled]) -> None:
         alloc.cover(work)
-        expected, got = ref.execute(work), tri.execute(work)
+        expected, got = execute(ref, work), execute(tri, work)
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
         for layer_ref, layer_tri in zip(ref.kv_caches, tri.kv_caches):
@@ -351,7 +351,7 @@ def test_pinned_staging_packs_like_plain_copies() -> None:
     assert torch.equal(first.input_ids, plain.input_ids)
 
 
-def test_padded_decode_buffers_match_eager_execution() -> None:
+def test_padded_decode_buffers_match_eager_execution(execute) -> None:
     """The graph runner's fixed, padded buffers (run eagerly here) give the same logits and the
     same KV cache as plain execution; dummy rows only ever write the scratch block."""
     model = "dummy:tiny-qwen3"
@@ -368,8 +368,8 @@ def test_padded_decode_buffers_match_eager_execution() -> None:
     alloc = Allocator()
     seqs = [Sequence(f"s{i}", tokens(n, seed=20 + i), SamplingParams()) for i, n in enumerate((7, 5, 10))]
     prefill = alloc.cover([Scheduled(s, s.num_tokens, True) for s in seqs])
-    logits = eager.execute(prefill)
-    padded.execute(prefill)
+    logits = execute(eager, prefill)
+    execute(padded, prefill)
     advance(prefill, logits)
     fresh = Sequence("p", [1, 2, 3], SamplingParams())
     assert not graphs.can_run(prepare_host_inputs(Allocator().cover([Scheduled(fresh, 3, True)]), BLOCK_SIZE))
@@ -382,7 +382,7 @@ def test_padded_decode_buffers_match_eager_execution() -> None:
         work = alloc.cover([Scheduled(s, 1, sample) for s, sample in batch])
         host = prepare_host_inputs(work, BLOCK_SIZE)
         assert graphs.can_run(host)
-        expected, got = eager.execute(work), graphs.run(host, staging)
+        expected, got = execute(eager, work), graphs.run(host, staging)
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
         advance(work, expected)
     blocks = used_blocks(seqs)
