@@ -210,9 +210,10 @@ const CHECKS = {
   },
 
   /**
-   * (6) proto3 `optional` presence from JavaScript: an unset temperature is not sent (the
-   * model's default; 1.0 on a server started with `--generation-config none`, as the test does,
-   * so seeded sampling), an explicit 0 is sent (greedy).
+   * (6) proto3 `optional` presence from JavaScript: an unset temperature is not sent, so the
+   * server applies the model's default (Utility MODEL_INFO's `sampling_defaults`); an explicit 0
+   * is sent (greedy). Holds whatever the server's defaults are: with sampling defaults the unset
+   * request must sample, with greedy defaults it must decode greedily.
    */
   async optional_presence(client) {
     const base = { prompt: STORY_PROMPT };
@@ -230,8 +231,15 @@ const CHECKS = {
     const zero = await text({ temperature: 0 });
     assert.equal(seededA, seededB, 'same seed, unset temperature: texts differ');
     assert.equal(zero, greedy, 'explicit temperature 0 is not greedy (was the zero dropped?)');
-    assert.notEqual(seededA, greedy, 'unset temperature decoded greedily (was it sent as 0?)');
-    return { seeded: seededA, greedy };
+    const defaults = (await client.utility('model_info', { deadlineMs: 5000 })).sampling_defaults;
+    assert.ok(defaults, 'MODEL_INFO carries no sampling_defaults');
+    const greedyDefaults = defaults.temperature === 0 || defaults.top_k === 1;
+    if (greedyDefaults) {
+      assert.equal(seededA, greedy, 'greedy defaults, unset temperature: not decoded greedily');
+    } else {
+      assert.notEqual(seededA, greedy, 'unset temperature decoded greedily (was it sent as 0?)');
+    }
+    return { seeded: seededA, greedy, greedy_defaults: greedyDefaults };
   },
 };
 

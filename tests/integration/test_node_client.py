@@ -8,15 +8,21 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 # Every check conformance.js must report as passed; a check that silently disappears fails here.
 EXPECTED_CHECKS = {"generate", "stream", "deadline", "cancel", "invalid_argument", "optional_presence"}
 
 
-def test_node_client_conformance(launch_serve):
-    # Neutral sampling defaults: the optional-presence check needs an unset temperature to sample
-    # (the embedded model's own defaults are greedy, which would hide a dropped field).
-    _, frontend, _ = launch_serve(["--generation-config", "none"])
+@pytest.mark.parametrize("defaults", ["model", "none"])
+def test_node_client_conformance(defaults, serve, launch_serve):
+    # Against a default `tandem serve` (the embedded model's greedy defaults) and against neutral
+    # sampling defaults, where an unset temperature samples and a dropped field would show.
+    if defaults == "model":
+        frontend = serve["frontend"]
+    else:
+        _, frontend, _ = launch_serve(["--generation-config", "none"])
     node = shutil.which("node")
     assert node, "node is not on PATH: Node.js 18+ is needed for clients/node"
     assert (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(), (
@@ -35,4 +41,6 @@ def test_node_client_conformance(launch_serve):
     assert set(results) == EXPECTED_CHECKS, report
     failed = {name: r.get("error") for name, r in results.items() if not r["ok"]}
     assert not failed, report
+    # The embedded model's defaults are greedy; `--generation-config none` samples.
+    assert results["optional_presence"]["detail"]["greedy_defaults"] is (defaults == "model"), report
     assert out.returncode == 0, report
