@@ -79,6 +79,9 @@ class Driver:
         self.sched = Scheduler(self.config, self.bm, self.max_model_len)
         self.model = FakeModel(self.bm)
         self.seqs: dict[str, Sequence] = {}
+        # Called for each sequence ending here, before the scheduler frees it (the engine's
+        # place for the KV connector to lease a prefill leg's blocks).
+        self.on_finished = lambda seq: None
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 4) -> Sequence:
         seq = Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens))
@@ -98,13 +101,18 @@ class Driver:
             assert item.num_new_tokens > 0
             assert item.sample == (item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens)
         self.model.execute(out.scheduled)
+        ended = []
         for item in out.scheduled:
             seq = item.seq
             if item.sample:
                 seq.append_token(fake_token(seq))
                 if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                     seq.finish(FinishReason.LENGTH)
-        self.sched.update(out)
+                    ended.append(seq)
+        self.sched.begin_step(out)  # with end_step: update(out), the ending hook in between
+        for seq in ended:
+            self.on_finished(seq)
+        self.sched.end_step(out)
         assert self.sched.num_running <= self.config.max_num_seqs
         return out
 
@@ -609,3 +617,65 @@ def test_a_sampled_sequence_without_a_token_is_a_named_error() -> None:
     with pytest.raises(RuntimeError) as err:
         d.sched.update(out)  # nothing appended, nothing marked pending
     assert str(err.value) == "sequence a was sampled but no token was appended or marked pending"
+
+
+def _producer_driver(num_blocks: int) -> tuple[Driver, "KVConnectorScheduler"]:
+    """A Driver whose scheduler has a producer's KV connector (leases keep finished prefills'
+    blocks); the pull address is never dialled here."""
+    from tandem.core_protocol import KVTransferParams
+    from tandem.engine_service.config import KVTransferConfig
+    from tandem.engine_service.kv_connector.scheduler_side import KVConnectorScheduler
+
+    d = Driver(num_blocks=num_blocks, max_model_len=100)
+    kv = KVConnectorScheduler(KVTransferConfig(role="producer"), d.bm, "me", ("127.0.0.1", 1))
+    d.sched = Scheduler(d.config, d.bm, d.max_model_len, kv_connector=kv)
+    d.remote_decode = lambda rid, prompt: _add_prefill_leg(d, rid, prompt, KVTransferParams(do_remote_decode=True))
+    d.on_finished = kv.on_request_finished
+    return d, kv
+
+
+def _add_prefill_leg(d: Driver, rid: str, prompt: list[int], params) -> Sequence:
+    seq = Sequence(rid, prompt, SamplingParams(max_tokens=1), kv_transfer_params=params)
+    d.seqs[rid] = seq
+    d.sched.add(seq)
+    return seq
+
+
+def test_a_request_that_fits_alone_waits_for_leased_blocks_instead_of_failing() -> None:
+    """Issue 19 item 5: a burst of prefill legs whose leases hold the pool; the next request fits
+    alone, so it waits (nothing running is not "can never fit") and runs once a lease ends."""
+    d, kv = _producer_driver(num_blocks=4)
+    legs = [d.remote_decode(f"p{i}", list(range(10 * i, 10 * i + 8))) for i in range(2)]  # 2 blocks each
+    while any(not s.is_finished for s in legs):
+        d.step()
+    assert len(kv.leases) == 2 and d.bm.num_free_blocks == 0 and not d.sched.running
+    late = d.add("late", list(range(50, 56)), max_tokens=2)  # 2 blocks: fits an empty pool
+    for _ in range(3):
+        out = d.step()
+        assert out.finished == [] and out.scheduled == []
+        assert late.status == SequenceStatus.WAITING and d.sched.blocked_on_leases
+    assert kv.release_request("p0") and kv.sweep() == 1  # the decode leg pulled p0's blocks
+    d.run()
+    assert late.finish_reason == FinishReason.LENGTH and late.num_output_tokens == 2
+    # A request that could never fit still ends, once no lease holds anything either.
+    big = d.add("big", list(range(20)))
+    out = d.step()
+    assert out.finished == [] and big.status == SequenceStatus.WAITING
+    assert kv.release_request("p1") and kv.sweep() == 1
+    out = d.step()
+    assert out.finished == [big] and big.stop_reason == KV_CACHE_TOO_SMALL
+    assert d.bm.num_used_blocks == 0 and not d.sched.has_work()
+
+
+def test_a_running_sequence_short_of_blocks_held_by_leases_waits_instead_of_failing() -> None:
+    d, kv = _producer_driver(num_blocks=3)
+    leg = d.remote_decode("p", list(range(8)))  # 2 blocks
+    while not leg.is_finished:
+        d.step()
+    grows = d.add("grows", [1, 2, 3], max_tokens=3)  # the 4th token's K/V needs a 2nd block
+    outs = [d.step() for _ in range(3)]
+    assert all(o.finished == [] for o in outs)
+    assert any(o.preempted == [grows] for o in outs) and grows.status == SequenceStatus.WAITING
+    assert kv.release_request("p") and kv.sweep() == 1
+    d.run()
+    assert grows.finish_reason == FinishReason.LENGTH and grows.num_output_tokens == 3

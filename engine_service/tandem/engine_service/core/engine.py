@@ -58,6 +58,11 @@ class EngineCounters:
     aborted_requests: int = 0
 
 
+# How long a step that could admit nothing, because leases hold the blocks or slots the waiting
+# head needs, waits before the next one looks again (the sweep frees ended leases each step).
+LEASE_WAIT_S = 0.005
+
+
 @dataclass
 class LaunchedStep:
     """A step queued on the device whose sampled tokens are not yet on the host."""
@@ -210,6 +215,8 @@ class LLMEngine:
             if (self.kv is not None and self.kv.worker is not None and self.scheduler.loading
                     and not outputs and self._in_flight is None and not self.scheduler.running):
                 self.kv.worker.wait(0.005)  # only loads to wait for: do not spin
+            elif not outputs and self._in_flight is None and self.scheduler.blocked_on_leases:
+                time.sleep(LEASE_WAIT_S)  # only a lease's end can admit the head: do not spin
         return list(outputs.values())
 
     def _with_kv(self, plan):

@@ -103,6 +103,11 @@ class Scheduler:
     tokens and it runs like any request; a failed load ends it with ERROR (kv_transfer_refused
     when its parameters were refused, kv_producer_unavailable when the producer was not there).
 
+    Leases (a producer's finished prefills whose blocks and state slots wait for a decode leg's
+    pull) count as held: a request that cannot fit while leases hold blocks or slots waits for
+    them to end (pulled, released or expired, `lease_seconds` at most); it ends with
+    kv_cache_too_small only when nothing at all holds blocks or slots and it still does not fit.
+
     `running` and `waiting` are exposed for inspection; callers must not mutate them.
     """
 
@@ -230,8 +235,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.block_manager.allocate(seq, num_new):
-                if len(self.running) == 1:
-                    # Alone in the pool and still short of blocks: it can never fit.
+                if len(self.running) == 1 and not self._leases_hold_resources():
+                    # Alone in the pool and still short of blocks: it can never fit. (With
+                    # leases holding blocks or slots it preempts itself below and waits for them.)
                     self.running.pop()
                     self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
                     break
@@ -291,7 +297,7 @@ class Scheduler:
             if num_new > 1 and self.cut_at_checkpoints:
                 num_new = bm.checkpoint_chunk(seq, num_hit, num_new)
             if not bm.allocate(seq, num_new):
-                if not self.running:
+                if not self._anything_holds_resources():
                     # The whole pool is free or evictable and this still does not fit.
                     self.waiting.popleft()
                     self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
@@ -316,7 +322,7 @@ class Scheduler:
             self._finish_error(out, seq, SchedulerStop(SchedulerReason.KV_TRANSFER_REFUSED, str(exc)))
             return True
         if not admitted:
-            if not self.running and not self.loading:
+            if not self._anything_holds_resources():
                 self.waiting.popleft()
                 self._finish_error(out, seq, KV_CACHE_TOO_SMALL)
                 return True
@@ -325,6 +331,23 @@ class Scheduler:
         seq.status = SequenceStatus.LOADING_KV
         self.loading[seq.request_id] = seq
         return True
+
+    def _leases_hold_resources(self) -> bool:
+        """Whether producer leases hold blocks or state slots (they return when the lease ends:
+        pulled, released or expired)."""
+        return self.kv_connector is not None and self.kv_connector.leases_hold_resources()
+
+    def _anything_holds_resources(self) -> bool:
+        """Whether any blocks or slots may still come back to the pool: held by running or
+        loading sequences, or by leases. When nothing holds any, the whole pool is free or
+        evictable, and a request that does not fit now can never fit."""
+        return bool(self.running or self.loading) or self._leases_hold_resources()
+
+    @property
+    def blocked_on_leases(self) -> bool:
+        """Only leases keep the waiting head out: nothing runs or loads, so no step frees
+        anything until a lease ends (the engine waits a little instead of spinning)."""
+        return bool(self.waiting) and not self.running and not self.loading and self._leases_hold_resources()
 
     @staticmethod
     def _add_scheduled(out: SchedulerOutput, seq: Sequence, num_new: int) -> None:

@@ -284,6 +284,11 @@ class KVConnectorScheduler:
             lease_expiry_unix=lease.expiry_unix, remote_transport=self.config.transport, block_size=bs,
             extra=dict(p.extra))
 
+    def leases_hold_resources(self) -> bool:
+        """Whether live leases hold blocks or state slots (they return to the pool at `sweep`
+        once a lease is pulled, released or expired): admission counts them as held."""
+        return len(self.leases) > 0
+
     def release_request(self, request_id: str) -> bool:
         """The prefill request id was aborted: its lease (if any) goes at the next sweep."""
         return self.leases.release_request_id(request_id)
