@@ -260,6 +260,34 @@ def test_lease_expiry_frees_the_producer_and_a_late_decode_leg_fails_cleanly(con
         producer.engine.close()
 
 
+def test_lease_expiry_is_published_without_another_request():
+    """Issue 19 item 9: an idle core whose lease expires publishes stats at once, so the
+    snapshot the metrics read (`CoreClient.stats_snapshot`) stops reporting the lease active."""
+    import asyncio
+
+    from tandem.engine_service.api.inproc_client import InProcessCoreClient
+
+    async def scenario() -> None:
+        client = InProcessCoreClient(LLMEngine(config("producer", lease_seconds=0.3)))
+        client.start()
+        try:
+            stream = client.submit("e-p", prompt(12, 18), greedy(1), kv_transfer_params=KVTransferParams(
+                do_remote_decode=True))
+            while not (await stream.next_batch())[-1].finished:
+                pass
+            assert client.stats_snapshot.kv_leases_active == 1
+            deadline = time.monotonic() + 5
+            while client.stats_snapshot.kv_leases_active:
+                assert time.monotonic() < deadline, "the expired lease is still reported active"
+                await asyncio.sleep(0.02)
+            snap = client.stats_snapshot
+            assert (snap.kv_leases_expired, snap.kv_blocks_used) == (1, 0)
+        finally:
+            client.stop()
+
+    asyncio.run(scenario())
+
+
 def test_refused_decode_legs_release_the_lease_at_once_and_foreign_leases_are_refused(producer, consumer):
     """Items 4 and 7: a num_prompt_tokens mismatch is refused (kv_transfer_refused, the client's
     status INVALID_ARGUMENT) and frees the lease now, not at expiry; a decode leg with another

@@ -165,6 +165,8 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket, codec: CoreCodec, parent_pid
                         log.error("engine_core_parent_gone")
                         return 1
                     core.tick()
+                    if core.has_work():
+                        break  # the tick ended leases: publish the stats
             while pull.poll(0):
                 msg = decode(pull.recv(copy=False).buffer)
                 if isinstance(msg, CoreShutdown):

@@ -70,9 +70,20 @@ class EngineCore:
         self._outputs: list[RequestOutput] = []
         self._added_requests = 0
         self._added_tokens = 0
+        # The live lease count the latest CoreOutputs' stats reported: a sweep that changes it
+        # (a lease expired or was released while idle) is published at once, so gauges read
+        # from the stats snapshot never show ended leases as active.
+        self._published_leases = 0
 
     def has_work(self) -> bool:
-        return self.engine.has_work()
+        return self.engine.has_work() or self._leases_changed()
+
+    def _live_leases(self) -> int:
+        kv = self.engine.kv
+        return len(kv.scheduler.leases) if kv is not None else 0
+
+    def _leases_changed(self) -> bool:
+        return self._live_leases() != self._published_leases
 
     # How often an idle core with live leases looks at them (a released lease's blocks return
     # within this; an idle core without leases sleeps until a message comes).
@@ -84,7 +95,8 @@ class EngineCore:
         return min(default, self.LEASE_POLL_S) if kv is not None and len(kv.scheduler.leases) else default
 
     def tick(self) -> None:
-        """Idle housekeeping: free released or expired leases."""
+        """Idle housekeeping: free released or expired leases (the next `step` publishes the
+        stats when that changed the live count: `has_work` says so)."""
         self.engine.kv_housekeeping()
 
     def apply(self, msg: CoreInput) -> UtilityResult | None:
@@ -114,8 +126,9 @@ class EngineCore:
             # A call that only told the worker of endings (a plan of drops) ran no step.
             stepped = bool(produced) or self.engine.counters.steps > steps_before
             step_time = time.perf_counter() - t0 if stepped else 0.0
-        if not outputs and not self._added_requests and not stepped:
+        if not outputs and not self._added_requests and not stepped and not self._leases_changed():
             return None
+        self._published_leases = self._live_leases()
         batch = CoreOutputs(
             outputs=outputs,
             stats=self.engine.stats(),
