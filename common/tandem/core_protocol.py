@@ -355,6 +355,10 @@ class CoreInfo(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool
     # The engine's KV transfer role: role, engine_id, transfer_address, transports (None: no role).
     kv_transfer: dict[str, Any] | None = None
+    # The directory of the model's tokenizer files: model_path, or for dummy weights one that
+    # fits their vocabulary (engine_service/worker/tokenizer_files.py); what a frontend loads
+    # when it is given no --tokenizer.
+    tokenizer_path: str | None = None
 
     def model_info(self) -> dict[str, Any]:
         """The MODEL_INFO utility's answer."""
