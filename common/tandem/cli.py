@@ -37,6 +37,8 @@ from tandem.startup_checks import StartupError
 # The engine distribution is optional for the frontend and client commands: nothing here imports
 # it at module level, and `serve`, `engine` and `bench` are offered only where it is installed.
 ENGINE_PACKAGE = "tandem.engine_service"
+# Set by `serve` in its engine children's environment: the pid they stop with.
+SERVE_PARENT_ENV = "TANDEM_SERVE_PARENT_PID"
 
 
 # -- engine flags (their declaration: tandem/engine_service/config.py; tests call these two) --------------
@@ -95,6 +97,26 @@ def _connect_host(host: str) -> str:
 # -- server commands ------------------------------------------------------------------------------
 
 
+def _resolve_zero_ports(args, ports) -> None:
+    """Port flags given as 0 become a free port now, before any process starts: the frontend
+    dials its engine child at the resolved port, workers sharing a port share the same one, and
+    the ready line names the port clients can use."""
+    from tandem import startup_checks
+
+    for dest, host in ports:
+        if getattr(args, dest, None) == 0:
+            setattr(args, dest, startup_checks.free_port(host))
+
+
+def _resolve_serve_ports(args) -> None:
+    """`serve`'s port flags given as 0 (the decode engine's too, when its default would be the
+    next port up from an engine port not yet picked)."""
+    if args.disaggregated and args.engine_port == 0 and args.decode_engine_port is None:
+        args.decode_engine_port = 0
+    _resolve_zero_ports(args, (("port", args.host), ("engine_port", args.engine_host),
+                               ("decode_engine_port", args.engine_host)))
+
+
 def _check_engine_flags(args) -> None:
     from tandem import startup_checks
 
@@ -102,6 +124,8 @@ def _check_engine_flags(args) -> None:
     startup_checks.check_generation_config(args.generation_config)
     try:
         _engine_config(args)  # the configs validate themselves as they are built
+    except options.FlagValueError as exc:
+        raise StartupError(exc.flag, exc.value, exc.reason) from None
     except ValueError as exc:
         raise StartupError("engine flags", None, str(exc)) from None
 
@@ -109,6 +133,7 @@ def _check_engine_flags(args) -> None:
 def cmd_engine(args) -> int:
     from tandem import startup_checks
 
+    _die_with_serve_parent()
     _check_engine_flags(args)
     startup_checks.check_port_free("--port", args.host, args.port)
     startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
@@ -141,16 +166,33 @@ def _disaggregated_engines(args) -> tuple[list[str], list[str]]:
     return prefill, decode
 
 
+def _tokenizer_dir(args) -> str | None:
+    """`--tokenizer` (checked) as the directory the frontend loads: any `--model` form is
+    resolved here, once, so the frontend never reaches for the Hub with it."""
+    if args.tokenizer is None:
+        return None
+    from tandem.model_spec import ModelSpecError, resolve_tokenizer_spec
+
+    try:
+        return resolve_tokenizer_spec(args.tokenizer, getattr(args, "cache_dir", None))
+    except (ModelSpecError, OSError, ValueError) as exc:
+        raise StartupError("--tokenizer", args.tokenizer, str(exc).splitlines()[0]) from None
+
+
 def cmd_frontend(args) -> int:
     from tandem import startup_checks
 
     prefill, decode = _disaggregated_engines(args)
     engines = prefill + decode if prefill else (args.engine or [DEFAULT_ENGINE_ADDRESS])
+    if args.workers > 1:
+        _resolve_zero_ports(args, (("port", args.host),))
     startup_checks.check_port_free("--port", args.host, args.port)
     startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
     startup_checks.check_pem_files(args)
     startup_checks.check_pem_files(args, "engine-")
+    startup_checks.check_tokenizer(args.tokenizer)
     startup_checks.check_engines_reachable(engines, args.engine_connect_timeout)
+    args.tokenizer = _tokenizer_dir(args)
     from tandem.frontend.workers import run_frontend_workers
 
     return run_frontend_workers(_frontend_options(args, engines, prefill, decode), args.workers, args.log_level,
@@ -199,6 +241,36 @@ def _kv_role_argv(args, role: str, producer_address: str) -> list[str]:
     return argv
 
 
+def _invoked_as() -> str:
+    """How the user ran this command, for lines that suggest another one: `tandem` when that
+    is on PATH as this very script, else the path they typed (`.venv/bin/tandem`)."""
+    import shutil
+
+    typed = sys.argv[0] if sys.argv and os.path.basename(sys.argv[0]) == "tandem" else ""
+    if not typed:
+        return "tandem"
+    on_path = shutil.which("tandem")
+    if on_path and os.path.realpath(on_path) == os.path.realpath(typed):
+        return "tandem"
+    return typed
+
+
+def _die_with_serve_parent() -> None:
+    """An engine child of `serve` (SERVE_PARENT_ENV names its pid) gets SIGTERM when `serve`
+    dies (Linux), since its own process group no longer shares the terminal's signals."""
+    parent = os.environ.pop(SERVE_PARENT_ENV, None)
+    if not parent:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # serve died before the prctl: nothing would signal us
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def cmd_serve(args) -> int:
     """Engine in a child process (two with --disaggregated: a prefill and a decode engine),
     frontend in this one; any of them ending ends all."""
@@ -207,6 +279,7 @@ def cmd_serve(args) -> int:
     from tandem import startup_checks
 
     _check_engine_flags(args)
+    _resolve_serve_ports(args)
     decode_port = None
     if args.disaggregated:
         decode_port = args.decode_engine_port if args.decode_engine_port is not None else args.engine_port + 1
@@ -220,6 +293,8 @@ def cmd_serve(args) -> int:
     startup_checks.check_port_free("--engine-metrics-port", args.metrics_host or args.engine_host, args.engine_metrics_port)
     startup_checks.check_pem_files(args)
     startup_checks.check_pem_files(args, "engine-")
+    startup_checks.check_tokenizer(args.tokenizer)
+    args.tokenizer = _tokenizer_dir(args)
     # Imported after the checks: a wrong flag is reported before torch loads.
     from tandem.frontend.workers import run_frontend_workers
     from tandem.security import engine_child_security
@@ -246,7 +321,10 @@ def cmd_serve(args) -> int:
         + _engine_flags(args) + role_argv + ["--engine-core", args.engine_core] + child_security_argv
         + metrics_argv
         + (["--enable-reflection"] if frontend_options.enable_reflection else []),
-        env={**_child_env(args.engine_parser), **child_env},
+        env={**_child_env(args.engine_parser), **child_env, SERVE_PARENT_ENV: str(os.getpid())},
+        # Their own process group: a terminal's Ctrl-C reaches this process alone, which drains
+        # the frontend first and then stops the engines (with their requests already finished).
+        process_group=0,
     ) for port, role_argv, metrics_argv in engines]
 
     stopping = threading.Event()
@@ -277,6 +355,15 @@ def cmd_serve(args) -> int:
         sys.stderr.flush()
         os._exit(code)
 
+    def draining() -> None:  # the first Ctrl-C/SIGTERM: an engine exiting now is expected
+        stopping.set()
+
+    def stop_at_once() -> None:  # the second: the engines are cut off with the frontend
+        stopping.set()
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+
     def stop_during_startup(signum, frame):
         end_during_startup(128 + signum if signum != signal.SIGTERM else 0, None)
 
@@ -300,7 +387,7 @@ def cmd_serve(args) -> int:
         shape = (f" (disaggregated: prefill engine {engine_addr}, decode engine {decode_addr})"
                  if decode_port is not None else "")
         print(f"Tandem is ready: {args.served_model_name or args.model} at {address}{shape} "
-              f"(try: tandem chat --address {address} \"Hello\")", flush=True)
+              f"(try: {_invoked_as()} chat --address {address} \"Hello\")", flush=True)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_during_startup)
@@ -309,7 +396,8 @@ def cmd_serve(args) -> int:
         threading.Thread(target=watch_engine, args=(child, name), name=f"{name}-watch", daemon=True).start()
     try:
         rc = run_frontend_workers(frontend_options, args.frontend_workers, args.log_level,
-                                  args.log_format == "json", on_ready=announce_ready)
+                                  args.log_format == "json", on_ready=announce_ready, on_stop=draining,
+                                  on_force=stop_at_once)
     finally:
         stopping.set()
         stop_children(frontend_options.drain_timeout + 10)
@@ -330,7 +418,19 @@ def _print_response(resp, as_json: bool) -> None:
         return
     for c in resp.choices:
         prefix = f"[{c.index}] " if len(resp.choices) > 1 else ""
-        print(prefix + c.text)
+        if c.text:
+            print(prefix + c.text)
+        else:
+            _note_empty(prefix, c)
+
+
+def _note_empty(prefix: str, choice) -> None:
+    """A choice without text is said on stderr, not printed as an empty line."""
+    from tandem.v1 import common_pb2
+
+    reason = common_pb2.FinishReason.Name(choice.finish_reason).removeprefix("FINISH_REASON_").lower()
+    why = "the model ended its answer at once" if reason == "stop" else f"finish reason {reason}"
+    sys.stderr.write(f"{prefix}(no text: {why})\n")
 
 
 def _ready_client(args):
@@ -346,21 +446,34 @@ def _ready_client(args):
     return client
 
 
+def _stream_text(call) -> tuple[str, object]:
+    """Prints a one-choice stream's text as it arrives; returns the text and the last choice."""
+    text, last = [], None
+    for msg in call:
+        for c in msg.choices:
+            sys.stdout.write(c.text)
+            text.append(c.text)
+            last = c
+        sys.stdout.flush()
+    return "".join(text), last
+
+
 def cmd_generate(args) -> int:
     request = options.from_args(ClientArgs, args)
     with _ready_client(args) as client:
         if args.stream:
-            for msg in client.stream(args.prompt, **request.sampling_kwargs()):
-                for c in msg.choices:
-                    sys.stdout.write(c.text)
-                sys.stdout.flush()
-            print()
+            text, last = _stream_text(client.stream(args.prompt, **request.sampling_kwargs()))
+            if text:
+                print()
+            elif last is not None:
+                _note_empty("", last)
         else:
             _print_response(client.generate(args.prompt, **request.sampling_kwargs()), args.json)
     return 0
 
 
 def cmd_chat(args) -> int:
+    """One message answered, or an interactive chat (replies streamed as they are generated)."""
     request = options.from_args(ClientArgs, args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     with _ready_client(args) as client:
@@ -368,18 +481,36 @@ def cmd_chat(args) -> int:
             messages.append({"role": "user", "content": args.message})
             _print_response(client.chat(messages, **request.sampling_kwargs()), args.json)
             return 0
+        kwargs = {**request.sampling_kwargs(), "n": None}  # one reply to continue the chat with
         while True:  # interactive
             try:
                 line = input("you> ")
             except EOFError:
+                print()
                 return 0
+            if not line.strip():
+                continue
             messages.append({"role": "user", "content": line})
-            reply = client.chat(messages, **request.sampling_kwargs()).choices[0].text
-            print(f"model> {reply}")
+            sys.stdout.write("model> ")
+            sys.stdout.flush()
+            reply, last = _stream_text(client.stream(messages=messages, **kwargs))
+            print()
+            if not reply and last is not None:
+                _note_empty("", last)
             messages.append({"role": "assistant", "content": reply})
 
 
 # -- the parser -----------------------------------------------------------------------------------
+
+
+def _version() -> str:
+    """The installed version of the `tandem` command's distribution."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem-common")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def engine_installed() -> bool:
@@ -393,7 +524,8 @@ def engine_installed() -> bool:
 def build_parser() -> argparse.ArgumentParser:
     from tandem.security import add_security_args
 
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
+    parser = options.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"tandem {_version()}")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
                         help="log level; debug also prints tracebacks of errors")
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"],
@@ -497,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     server_command = args.command in ("serve", "engine", "frontend")
     try:
         return args.fn(args) or 0
-    except StartupError as exc:
+    except (StartupError, options.FlagValueError) as exc:
         return _fail(args, exc, str(exc), 2, flag=exc.flag, value=str(exc.value))
     except ServerNotReady as exc:
         return _fail(args, exc, str(exc), 3, address=getattr(args, "address", ""))

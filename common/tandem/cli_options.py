@@ -15,6 +15,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from tandem.options import host_port, non_negative_float, port_number
+
 
 def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
@@ -29,10 +31,11 @@ class ServerArgs:
     """Listening address and request defaults of one gRPC service (engine or frontend)."""
 
     host: str = _opt("0.0.0.0", "bind address")
-    port: int = _opt(50051, "port")
+    port: int = _opt(50051, "port (0: any free port)", parse=port_number)
     default_max_tokens: int = _opt(256, "max_tokens of a request that sets none (unless the model's "
                                         "generation config gives max_new_tokens)")
-    drain_timeout: float = _opt(30.0, "seconds in-flight requests may take to finish after SIGTERM")
+    drain_timeout: float = _opt(30.0, "seconds in-flight requests may take to finish after SIGTERM or Ctrl-C",
+                                parse=non_negative_float)
     enable_reflection: bool = _opt(False, "serve grpc.reflection")
 
 
@@ -71,19 +74,20 @@ class FrontendArgs(FrontendServingArgs):
     worker count and how long it waits for the engines to accept connections."""
 
     engine: list[str] | None = _opt(None, "engine address; repeat for replicas (default: 127.0.0.1:50052)",
-                                    metavar="HOST:PORT")
+                                    metavar="HOST:PORT", parse=host_port)
     prefill_engine: list[str] | None = _opt(None, "disaggregated prefill/decode: a prefill engine (--kv-role "
                                                   "producer or both); repeat for a pool. With --decode-engine, "
                                                   "every request runs a prefill leg here and a decode leg there "
-                                                  "(replaces --engine)", metavar="HOST:PORT")
+                                                  "(replaces --engine)", metavar="HOST:PORT", parse=host_port)
     decode_engine: list[str] | None = _opt(None, "disaggregated prefill/decode: a decode engine (--kv-role "
                                                  "consumer or both); repeat for a pool; needs --prefill-engine",
-                                           metavar="HOST:PORT")
+                                           metavar="HOST:PORT", parse=host_port)
     workers: int = _opt(1, "frontend processes sharing the port (SO_REUSEPORT); metrics ports count up "
                            "from --metrics-port")
     engine_connect_timeout: float = _opt(30.0, "seconds to wait for each --engine address to accept "
                                                "connections before giving up at start; 0: no check, wait "
-                                               "for the engines while answering health (orchestrators)")
+                                               "for the engines while answering health (orchestrators)",
+                                         parse=non_negative_float)
 
 
 def auto_frontend_workers(cpu_count: int | None = None) -> int:
@@ -120,17 +124,17 @@ class ServeArgs:
     """`tandem serve` only: where its engine child listens, and the frontend's worker count."""
 
     engine_host: str = _opt("127.0.0.1", "engine bind address (private by default)")
-    engine_port: int = _opt(50052, "engine port")
+    engine_port: int = _opt(50052, "engine port (0: any free port)", parse=port_number)
     frontend_workers: int = _opt("auto", "frontend processes sharing the port (SO_REUSEPORT); metrics ports "
                                          "count up from --metrics-port; auto: one per 4 cores, 1 to 4",
                                  parse=workers_count)
     engine_metrics_port: int | None = _opt(None, "serve the engine child's Prometheus metrics on this port; "
-                                                 "off when not given")
+                                                 "off when not given", parse=port_number)
     disaggregated: bool = _opt(False, "start two engine children, a prefill engine (--kv-role producer, on "
                                       "--engine-port) and a decode engine (--kv-role consumer, on "
                                       "--decode-engine-port), and run every request in two legs")
     decode_engine_port: int | None = _opt(None, "--disaggregated: the decode engine's port (default: "
-                                                "--engine-port + 1)")
+                                                "--engine-port + 1)", parse=port_number)
 
 
 @dataclass
@@ -138,17 +142,18 @@ class MetricsArgs:
     """The Prometheus endpoint of one process."""
 
     metrics_host: str | None = _opt(None, "Prometheus endpoint bind address (default: the service's own --host; the engine child's: --engine-host)")
-    metrics_port: int | None = _opt(None, "serve Prometheus metrics on this port; off when not given")
+    metrics_port: int | None = _opt(None, "serve Prometheus metrics on this port; off when not given",
+                                    parse=port_number)
 
 
 @dataclass
 class ClientArgs:
     """`tandem generate` / `tandem chat`: where the server is, how long to wait, what to ask for."""
 
-    address: str = _opt(DEFAULT_FRONTEND_ADDRESS, "frontend address")
+    address: str = _opt(DEFAULT_FRONTEND_ADDRESS, "frontend address", metavar="HOST:PORT", parse=host_port)
     wait: float = _opt(300.0, "seconds to wait for the server to become ready (the embedded model's first "
                               "start converts it); a server that does not answer at all is given at most "
-                              "30 of them")
+                              "30 of them", parse=non_negative_float)
     max_tokens: int | None = _opt(None, "most tokens to generate (default: the server's)")
     temperature: float | None = _opt(None, "sampling temperature, 0 = greedy (default: the model's)")
     top_p: float | None = _opt(None, "nucleus sampling threshold (default: the model's)")

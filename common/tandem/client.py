@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Iterator
 
 import grpc
 from google.protobuf import json_format
 
 from tandem.protocol import kv_transfer_from_dict, kv_transfer_to_proto
+from tandem.readiness import stderr_progress, wait_until_ready
 from tandem.security import SecurityOptions
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
@@ -93,12 +95,12 @@ class TandemClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
+    def wait_ready(self, timeout: float = 300.0, progress: Callable[[str], None] | None = stderr_progress) -> None:
         """Blocks until the frontend is ready (as `tandem chat` does); raises
-        `tandem.readiness.ServerNotReady` with a one-line reason otherwise."""
-        from tandem.readiness import wait_until_ready
-
-        wait_until_ready(self.channel, self.address, timeout)
+        `tandem.readiness.ServerNotReady` with a one-line reason otherwise: at once when the
+        server stops while it starts. `progress` gets a line now and then during a long wait
+        (default: stderr; None: silent)."""
+        wait_until_ready(self.channel, self.address, timeout, progress=progress)
 
     def generate(self, prompt: str | None = None, timeout: float | None = None, **kwargs) -> frontend_pb2.GenerateResponse:
         return self.stub.Generate(build_request(prompt=prompt, **kwargs), timeout=timeout, metadata=self.metadata)

@@ -22,6 +22,8 @@ def configure_logging(level: str = "info", json: bool = True) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per record (message and newline together): the processes of `tandem serve`
+        # share stderr, and print()'s two writes let their records run into one line.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -46,18 +46,47 @@ def resolve_hub_model(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    local_hint = "pass the path of a local model directory instead"
     try:
-        path = snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=hub_offline())
+        try:  # the cache first: a cached model never waits on the network
+            path = snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True)
+        except LocalEntryNotFoundError:
+            if hub_offline():
+                raise ModelSpecError(f"{repo_id!r} is not a local path and not in the local Hugging Face cache "
+                                     f"(HF_HUB_OFFLINE is set); {local_hint}") from None
+            unreachable = hub_unreachable()
+            if unreachable:  # fail now, not after the Hub client's minutes of retries
+                raise ModelSpecError(f"{repo_id!r} is not a local path, not in the local Hugging Face cache, and "
+                                     f"the Hub cannot be reached ({unreachable}); {local_hint}") from None
+            path = snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
     except LocalEntryNotFoundError:
-        where = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if hub_offline() else \
-            "the local Hugging Face cache, and the Hub cannot be reached"
-        raise ModelSpecError(f"{repo_id!r} is not a local path and not in {where}") from None
+        raise ModelSpecError(f"{repo_id!r} is not a local path and not in the local Hugging Face cache, and the "
+                             f"Hub cannot be reached; {local_hint}") from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelSpecError(f"{repo_id!r}: Hugging Face download failed ({first})") from None
     if not (Path(path) / "config.json").is_file():
         raise ModelSpecError(f"{repo_id!r}: the Hugging Face snapshot has no config.json")
     return Path(path)
+
+
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached (one TCP connection, `timeout` seconds), or
+    None when it can or a proxy is configured (the proxy decides; the download reports it)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        return f"{host}: {exc.strerror or type(exc).__name__}"
 
 
 def embedded_model_path(name: str) -> Path:
@@ -100,3 +129,35 @@ def check_model_spec(spec: str) -> None:
     raise ModelSpecError(
         f"no such file or directory, and not an embedded name ({', '.join(EMBEDDED_MODELS)}), "
         f"a dummy:<config> or a Hugging Face id (org/name)")
+
+
+# Files of which a tokenizer directory has at least one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer_spec(spec: str) -> None:
+    """Raises ModelSpecError when `spec` names no tokenizer: a directory with tokenizer files,
+    or any `--model` form (its model's tokenizer)."""
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        if not any((local / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelSpecError(f"the directory {spec} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+        return
+    check_model_spec(spec)
+
+
+def resolve_tokenizer_spec(spec: str, cache_dir: str | None = None) -> str:
+    """The local directory of tokenizer `spec` (after `check_tokenizer_spec`): a directory as
+    it is, a Hub id's snapshot, and for an embedded name, a `.gguf` file or a `dummy:` model the
+    directory the engine's loader prepares (converting on first use; needs the engine)."""
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return str(local)
+    if is_hub_id(spec):
+        return str(resolve_hub_model(spec))
+    try:
+        from tandem.engine_service.worker.tokenizer_files import tokenizer_dir
+    except ImportError:
+        raise ModelSpecError(f"the tokenizer of {spec!r} is prepared by the engine distribution, which is not "
+                             f"installed here; pass a tokenizer directory") from None
+    return str(tokenizer_dir(spec, cache_dir))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import types
@@ -40,6 +41,65 @@ _FALSE = ("0", "false", "no", "off", "")
 
 class ConfigSourceError(ValueError):
     """A value from the environment or a config file that the flag does not accept."""
+
+
+class FlagValueError(ValueError):
+    """A dataclass refused the value of one of its flags when it was built: which flag (or
+    flags, comma-separated, when no single one is at fault), its value and the reason."""
+
+    def __init__(self, flag: str, value: Any, reason: str) -> None:
+        super().__init__(f"{flag} {value}: {reason}" if value is not None else f"{flag}: {reason}")
+        self.flag, self.value, self.reason = flag, value, reason
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line and a pointer to `--help`, not the whole
+    usage block: `tandem serve: error: argument --port: ... (see tandem serve --help)`, exit 2.
+    Subcommand parsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+# -- value types: each flag's value is checked as it is parsed (command line, environment, file) -----
+
+
+def finite_float(text: str) -> float:
+    """A float flag's value: a finite number (nan and inf are refused)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A duration flag's value: a finite number >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """A port flag's value: an integer in 0..65535 (0: the system picks a free port)."""
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {text!r}")
+    return value
+
+
+def host_port(text: str) -> str:
+    """An address flag's value: HOST:PORT with a port in 1..65535 (IPv6 hosts in brackets)."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1-65535, got {text!r}")
+    return str(text)
 
 
 # -- dataclass <-> flags ------------------------------------------------------------------------------
@@ -81,7 +141,7 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls, defaults: Mapping[str,
             kwargs["default"] = default
         else:
             scale = meta.get("scale")
-            kwargs["type"] = meta.get("parse") or (float if scale else typ)
+            kwargs["type"] = meta.get("parse") or (finite_float if scale or typ is float else typ)
             kwargs["default"] = default / scale if (scale and default is not None) else default
             if "choices" in meta:
                 kwargs["choices"] = list(meta["choices"])
@@ -104,7 +164,32 @@ def from_args(cls, args: argparse.Namespace, **overrides: Any):
             value = int(value * scale)
         values[f.name] = value
     values.update(overrides)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except FlagValueError:
+        raise
+    except ValueError as exc:
+        raise _flag_error(cls, values, exc) from None
+
+
+def _flag_error(cls, values: dict[str, Any], exc: ValueError) -> ValueError:
+    """The FlagValueError of a dataclass that refused `values`: the flag whose value alone the
+    class refuses, else the flags set away from their defaults (a combination is at fault);
+    `exc` itself when no flag was set (the defaults are refused: not a user's error)."""
+    changed = [f for f in _cli_fields(cls) if f.name in values and values[f.name] != f.default]
+    for f in changed:
+        try:
+            cls(**{f.name: values[f.name]})
+        except ValueError:
+            value = values[f.name]
+            scale = f.metadata.get("scale")
+            shown = value / scale if scale and isinstance(value, (int, float)) else value
+            return FlagValueError(flag_name(f), shown, str(exc))
+        except TypeError:
+            continue  # a class with required fields: cannot be tried one flag at a time
+    if not changed:
+        return exc
+    return FlagValueError(", ".join(flag_name(f) for f in changed), None, str(exc))
 
 
 def to_argv(obj) -> list[str]:
@@ -234,6 +319,9 @@ def _parse_value(action: argparse.Action, raw: Any, source: str) -> Any:
 def _convert(action: argparse.Action, raw: Any, source: str) -> Any:
     if raw is None:
         return None
+    if isinstance(raw, bool):  # YAML's true/false: never a number or a name
+        raise ConfigSourceError(f"{source}: invalid value {str(raw).lower()} for {action.option_strings[-1]} "
+                                f"(a true/false value; this flag takes {action.metavar or 'a value'})")
     convert = action.type or str
     try:
         value = convert(raw if isinstance(raw, str) or convert in (int, float) else str(raw))

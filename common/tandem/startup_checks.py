@@ -30,6 +30,18 @@ def check_model(spec: str) -> None:
         raise StartupError("--model", spec, str(exc)) from None
 
 
+def check_tokenizer(spec: str | None) -> None:
+    """`--tokenizer`: a directory with tokenizer files, or any `--model` form."""
+    if spec is None:
+        return
+    from tandem.model_spec import ModelSpecError, check_tokenizer_spec
+
+    try:
+        check_tokenizer_spec(spec)
+    except ModelSpecError as exc:
+        raise StartupError("--tokenizer", spec, str(exc)) from None
+
+
 def check_generation_config(setting: str) -> None:
     if setting in ("auto", "none"):
         return
@@ -60,20 +72,67 @@ def check_port_free(flag: str, host: str, port: int | None) -> None:
             raise StartupError(flag, port, f"cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
+def free_port(host: str) -> int:
+    """A port of `host` that nothing listens on now (for a flag given as port 0, resolved
+    before any process dials it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
+        return s.getsockname()[1]
+
+
+# (certificate flag, its key flag) pairs and CA-bundle flags of one hop (`tandem.security`).
+_CERT_KEY_FLAGS = (("tls_cert", "tls_key"), ("tls_client_cert", "tls_client_key"))
+_CA_FLAGS = ("tls_client_ca", "tls_ca")
+
+
 def check_pem_files(args, prefix: str = "") -> None:
-    """Every TLS file flag of one hop names a readable PEM file."""
-    for name in ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tls_client_cert", "tls_client_key"):
-        dest = (prefix + name).replace("-", "_")
-        path = getattr(args, dest, None)
-        if path is None:
-            continue
-        flag = "--" + (prefix + name).replace("_", "-")
-        try:
-            data = Path(path).expanduser().read_bytes()
-        except OSError as exc:
-            raise StartupError(flag, path, f"cannot read it ({exc.strerror})") from None
-        if b"-----BEGIN " not in data:
-            raise StartupError(flag, path, "is not a PEM file (no -----BEGIN line)")
+    """Every TLS file flag of one hop names a readable PEM file that parses: certificates and
+    CA bundles as X.509 certificates, a key as the private key of its certificate (parsed by
+    the standard library's OpenSSL, so gRPC never meets a file it cannot load)."""
+
+    def given(name: str) -> tuple[str, str] | None:
+        path = getattr(args, (prefix + name).replace("-", "_"), None)
+        return None if path is None else ("--" + (prefix + name).replace("_", "-"), str(Path(path).expanduser()))
+
+    for cert_name, key_name in _CERT_KEY_FLAGS:
+        cert, key = given(cert_name), given(key_name)
+        for entry in (cert, key):
+            if entry is not None:
+                _read_pem(*entry)
+        if cert is not None:
+            _load_pem(cert[0], cert[1], lambda ctx: ctx.load_verify_locations(cafile=cert[1]), "certificate")
+        if cert is not None and key is not None:
+            _load_pem(key[0], key[1], lambda ctx: ctx.load_cert_chain(cert[1], key[1], password=_no_password),
+                      f"private key of {cert[0]}")
+    for name in _CA_FLAGS:
+        ca = given(name)
+        if ca is not None:
+            _read_pem(*ca)
+            _load_pem(ca[0], ca[1], lambda ctx: ctx.load_verify_locations(cafile=ca[1]), "CA certificate bundle")
+
+
+def _read_pem(flag: str, path: str) -> None:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise StartupError(flag, path, f"cannot read it ({exc.strerror})") from None
+    if b"-----BEGIN " not in data:
+        raise StartupError(flag, path, "is not a PEM file (no -----BEGIN line)")
+
+
+def _no_password() -> bytes:
+    raise ValueError("the key is encrypted")
+
+
+def _load_pem(flag: str, path: str, load, what: str) -> None:
+    import ssl
+
+    try:
+        load(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+    except (ssl.SSLError, ValueError) as exc:
+        detail = getattr(exc, "reason", None) or str(exc).splitlines()[0]
+        raise StartupError(flag, path, f"is not a valid {what} ({str(detail).lower().replace('_', ' ')})") from None
 
 
 def check_engines_reachable(addresses: list[str], timeout: float) -> None:

@@ -147,3 +147,137 @@ def test_explicit_temperature_zero_beats_a_model_default_of_0_7(launch_serve, tm
         sampled = {client.chat(messages, seed=s, max_tokens=12).choices[0].text for s in range(6)}
     assert len(greedy) == 1 and "Paris" in greedy.pop()
     assert len(sampled) > 1  # without the field, the model's 0.7 samples
+
+
+# -- issue 22: dummy models that serve, clients that notice a dead server, a clean shutdown -------
+
+
+def _serve(argv: list[str], out_dir, get_free_port, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`tandem serve` on free loopback ports in its own session (a test's SIGINT to its group is
+    a terminal's Ctrl-C); stdout and stderr in files under `out_dir`."""
+    port = get_free_port()
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TANDEM_DRAIN_TIMEOUT": "20", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "tandem.cli", "--log-format", "console", "serve",
+                             "--host", "127.0.0.1", "--port", str(port), "--engine-port", "0",
+                             "--frontend-workers", "1", *argv],
+                            stdout=open(out_dir / "stdout.txt", "wb"), stderr=open(out_dir / "stderr.txt", "wb"),
+                            env=full_env, cwd="/", start_new_session=True)
+    return proc, f"127.0.0.1:{port}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("model", ["dummy:qwen3-0.6b", "dummy:tiny-qwen3.5"])
+def test_dummy_model_serves_a_chat_with_no_tokenizer_flag_and_no_network(model, tmp_path, get_free_port):
+    """dummy:qwen3-0.6b gets the embedded SmolLM2 tokenizer (its vocabulary holds SmolLM2's ids);
+    the tiny hybrid a word-level tokenizer of exactly its 320 ids, so a text chat is in range."""
+    from tandem.client import TandemClient
+
+    proc, address = _serve(["--model", model, "--max-model-len", "256"], tmp_path, get_free_port)
+    try:
+        with TandemClient(address) as client:
+            client.wait_ready(240, progress=None)
+            reply = client.chat([{"role": "user", "content": "Hello there"}], max_tokens=4, temperature=0)
+        assert reply.choices[0].finish_reason != 0 and reply.usage.completion_tokens >= 1
+        # Which tokenizer each dummy gets: tests/unit/test_tokenizer_files.py.
+    finally:
+        _stop(proc)
+
+
+def test_a_client_gives_up_within_5s_of_its_server_dying(tmp_path, get_free_port):
+    """A chat waiting on a server that answered "starting" and then exited reports that within
+    5 s, not after its whole --wait, and does not advise waiting longer."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    port = get_free_port()
+    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    servicer.set("tandem.v1.Frontend", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    chat = subprocess.Popen([sys.executable, "-P", "-m", "tandem.cli", "--log-format", "console", "chat", "hi",
+                             "--address", f"127.0.0.1:{port}", "--wait", "300"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        time.sleep(4)  # the client has seen the server answer "not serving"
+        server.stop(0)
+        died = time.monotonic()
+        _, err = chat.communicate(timeout=30)
+        assert time.monotonic() - died < 5
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+    assert chat.returncode == 3
+    last = err.strip().splitlines()[-1]
+    assert "stopped while starting" in last and "--wait" not in last, err
+    assert "waiting for the Tandem server" in err  # the progress line while it was starting
+
+
+def test_ctrl_c_on_disaggregated_serve_mid_request_drains_and_exits_0(tmp_path, get_free_port):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while a request streams:
+    the request finishes, `draining`/`drained` are logged once, nothing reports an engine exit,
+    no traceback, exit 0. A second Ctrl-C stops at once with a line saying so (exit 130)."""
+    from tandem.client import TandemClient
+
+    for second in (False, True):
+        out = tmp_path / ("twice" if second else "once")
+        out.mkdir()
+        proc, address = _serve(["--model", "dummy:tiny-qwen3", "--disaggregated"], out, get_free_port)
+        try:
+            with TandemClient(address) as client:
+                client.wait_ready(180, progress=None)
+                call = client.stream("t1 t2 t3", max_tokens=400, ignore_eos=True, temperature=0)
+                next(call)
+                os.killpg(proc.pid, signal.SIGINT)
+                if second:
+                    time.sleep(0.3)
+                    os.killpg(proc.pid, signal.SIGINT)
+                    with pytest.raises(Exception):
+                        list(call)
+                else:
+                    tokens = sum(len(c.token_ids) for msg in call for c in msg.choices)
+                    assert tokens > 0
+            assert proc.wait(60) == (130 if second else 0)
+        finally:
+            _stop(proc)
+        err = (out / "stderr.txt").read_text()
+        assert "Traceback" not in err and "CancelledError" not in err and "exited with code" not in err, err
+        assert "engine_subscription_lost" not in err
+        if second:
+            assert "stopping_now" in err
+        else:
+            assert err.count("draining") == 1 and err.count("drained") == 1, err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--port", "70000"], "--port"),
+    (["--kv-lease-seconds", "inf"], "--kv-lease-seconds"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--tokenizer", "/nonexistent/tokenizer"], "--tokenizer"),
+    (["--tls-cert", "GARBAGE", "--tls-key", "GARBAGE"], "--tls-cert"),
+])
+def test_a_bad_flag_value_exits_2_in_one_line_before_anything_loads(argv, flag, tmp_path):
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n")
+    argv = [str(garbage) if a == "GARBAGE" else a for a in argv]
+    start = time.monotonic()
+    out = _tandem(["--log-format", "console", "serve", "--model", "dummy:tiny-qwen3", *argv], timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in out.stderr, out.stderr
+    assert time.monotonic() - start < 20  # decided before any model loads
+
+
+def test_frontend_engine_address_out_of_range_and_nan_timeout_exit_2_at_once():
+    for argv, flag in ((["--engine", "127.0.0.1:99999"], "--engine"),
+                       (["--engine-connect-timeout", "nan"], "--engine-connect-timeout")):
+        start = time.monotonic()
+        out = _tandem(["--log-format", "console", "frontend", "--port", "0", *argv], timeout=30)
+        assert out.returncode == 2 and flag in out.stderr and len(out.stderr.strip().splitlines()) == 1
+        assert time.monotonic() - start < 10

@@ -30,7 +30,7 @@ def test_every_flag_of_every_subcommand_has_help_with_its_default():
     seen = 0
     for path, p in _all_parsers(parser):
         for action in p._actions:
-            if not action.option_strings or isinstance(action, argparse._HelpAction):
+            if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
                 continue
             seen += 1
             text = action.help or ""
@@ -216,3 +216,57 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("argv,env,config,named", [
+    (["serve", "--port", "70000"], {}, None, "--port"),
+    (["serve", "--engine-port", "-1"], {}, None, "--engine-port"),
+    (["frontend", "--engine", "127.0.0.1:99999"], {}, None, "--engine"),
+    (["frontend", "--engine-connect-timeout", "nan"], {}, None, "--engine-connect-timeout"),
+    (["serve", "--kv-lease-seconds", "inf"], {}, None, "--kv-lease-seconds"),
+    (["chat", "hi", "--wait", "-3"], {}, None, "--wait"),
+    (["engine"], {"TANDEM_PORT": "123456"}, None, "--port"),
+    (["engine"], {}, "max-num-seqs: true\n", "--max-num-seqs"),
+    (["engine"], {}, "port: yes\n", "--port"),
+    (["serve"], {"TANDEM_DISAGGREGATED": "maybe"}, None, "TANDEM_DISAGGREGATED"),
+    (["engine"], {}, "max-num-seq: 3\n", "max-num-seq"),
+    (["engine"], {}, "", "cannot read it"),
+])
+def test_a_bad_value_is_one_line_naming_the_flag_and_exit_2(argv, env, config, named, tmp_path, capsys):
+    """Ports in range, finite numbers, YAML booleans only for boolean flags, and every error from
+    the command line, the environment or a config file is one line and a --help pointer (not the
+    usage block), exit 2, before anything starts."""
+    if config is not None:
+        path = tmp_path / "tandem.yaml"
+        if config:
+            path.write_text(config)
+        argv = [*argv, "--config", str(path)]
+    with pytest.raises(SystemExit) as exc:
+        options.parse_args(build_parser(), argv, environ=env)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert named in lines[0] and "--help" in lines[0] and "usage:" not in lines[0]
+
+
+def test_a_refused_dataclass_value_names_its_flag():
+    """A config's own validation (its __post_init__) is reported against the flag whose value
+    it refuses, with the value in flag units."""
+    args = options.parse_args(build_parser(), ["engine", "--max-num-seqs", "0"], environ={})
+    with pytest.raises(options.FlagValueError) as exc:
+        options.from_args(SchedulerConfig, args)
+    assert (exc.value.flag, exc.value.value) == ("--max-num-seqs", 0)
+    assert str(exc.value) == "--max-num-seqs 0: max_num_seqs must be >= 1"
+
+
+def test_version_and_help_list_every_bench_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        options.parse_args(build_parser(), ["--version"], environ={})
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("tandem ")
+    parser = build_parser()
+    top = parser.format_help()
+    bench = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    names = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert len(names) >= 9
+    flat = " ".join(top.split())
+    assert all(name in flat for name in names), (list(names), top)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ from tandem.health import add_health
 from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.protocol import Limits
 from tandem.security import SecurityOptions, add_port
+from tandem.shutdown import StopSignals
 from tandem.v1 import frontend_pb2
 
 log = structlog.get_logger(__name__)
@@ -92,9 +92,11 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool,
     await pools.wait_ready(timeout=options.engine_wait_timeout)
     info = pools.limits_info()
     ready = next(r for r in pool.replicas if r.model_info)
-    path = options.tokenizer or ready.model_info.get("model_path")
+    # The engine reports its model's directory, or for dummy weights a tokenizer made to fit.
+    path = options.tokenizer or ready.model_info.get("tokenizer_path") or ready.model_info.get("model_path")
     if not path:
-        raise RuntimeError("no tokenizer: pass --tokenizer (the engine serves a model without one)")
+        raise RuntimeError(f"the engine reports no tokenizer for {ready.model_info.get('model')!r}: pass "
+                           f"--tokenizer DIR (a directory with tokenizer.json or tokenizer_config.json)")
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(None, TextTokenizer.from_pretrained, path)
     await loop.run_in_executor(None, lambda: tokenizer.max_token_bytes)  # ~1 s, computed once, off the loop
@@ -118,9 +120,11 @@ async def attach_builder(servicer: FrontendServicer, options: FrontendOptions, p
 
 
 async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None = None,
-                         on_stop: Callable[[], None] | None = None) -> int:
-    """Serves until SIGTERM/SIGINT, then drains; `on_stop` runs when the signal arrives (it
-    lets extra frontend workers start draining at the same moment)."""
+                         on_stop: Callable[[], None] | None = None,
+                         on_force: Callable[[], None] | None = None) -> int:
+    """Serves until SIGTERM/SIGINT, then drains (`tandem.shutdown`); `on_stop` runs when the
+    signal arrives (it lets extra frontend workers start draining at the same moment), and
+    `on_force` when a second one ends the drain at once."""
     server = grpc.aio.server(
         interceptors=options.security.server_interceptors(),
         options=[
@@ -178,23 +182,14 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     if ready is not None:
         ready.set()
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-    await stop.wait()
-    if on_stop is not None:
-        on_stop()
+    signals = StopSignals(on_stop=on_stop, on_force=on_force)
+    signals.install()
+    await signals.stop.wait()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer.accepting = False
-    deadline = loop.time() + options.drain_timeout
-    while len(servicer.ids) and loop.time() < deadline:
-        await asyncio.sleep(0.05)
+    await signals.drain(lambda: len(servicer.ids), options.drain_timeout)
     await health.enter_graceful_shutdown()
-    await server.stop(grace=2.0)
+    await server.stop(grace=0 if signals.force.is_set() else 2.0)
     await (disaggregated or pool).close()
     if relay is not None:
         await relay.close()
@@ -202,18 +197,19 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     if metrics_endpoint is not None:
         metrics_endpoint.close()
     log.info("frontend_stopped")
-    return 0
+    return 130 if signals.force.is_set() else 0
 
 
 def run_frontend(options: FrontendOptions, on_stop: Callable[[], None] | None = None,
-                 on_ready: Callable[[], None] | None = None) -> int:
-    """`on_ready` runs once the frontend serves (its engines ready) and handles its signals."""
+                 on_ready: Callable[[], None] | None = None, on_force: Callable[[], None] | None = None) -> int:
+    """`on_ready` runs once the frontend serves (its engines ready) and handles its signals.
+    Returns 0 after a drain, 130 when a second signal cut it short."""
     if on_ready is None:
-        return asyncio.run(serve_frontend(options, on_stop=on_stop))
+        return asyncio.run(serve_frontend(options, on_stop=on_stop, on_force=on_force))
 
     async def main() -> int:
         ready = asyncio.Event()
-        serving = asyncio.ensure_future(serve_frontend(options, ready=ready, on_stop=on_stop))
+        serving = asyncio.ensure_future(serve_frontend(options, ready=ready, on_stop=on_stop, on_force=on_force))
         waiting = asyncio.ensure_future(ready.wait())
         await asyncio.wait([serving, waiting], return_when=asyncio.FIRST_COMPLETED)
         if ready.is_set():

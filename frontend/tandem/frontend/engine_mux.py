@@ -13,6 +13,7 @@ the engine sends one message per step per frontend, and the frontend fans it out
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import uuid
 
 import grpc
@@ -43,6 +44,7 @@ class MuxChannel:
         self._task: asyncio.Task | None = None
         self._opening: asyncio.Lock = asyncio.Lock()
         self.open = False
+        self._closing = False  # close() ends the subscription: not a loss worth a warning
 
     async def ensure_open(self, timeout: float = 10.0) -> None:
         """Subscribes (once; again after a failure) and waits for the engine's acknowledgement."""
@@ -55,7 +57,9 @@ class MuxChannel:
             self._call = self.stub.Subscribe(engine_pb2.SubscribeRequest(channel_id=self.channel_id))
             await asyncio.wait_for(self._call.read(), timeout)  # the empty acknowledgement batch
             self.open = True
-            self._task = asyncio.ensure_future(self._pump(self._call))
+            # A fresh context: the pump outlives the request that opened it, and must not log
+            # under that request's id (the logging context is a contextvar).
+            self._task = asyncio.get_running_loop().create_task(self._pump(self._call), context=contextvars.Context())
 
     async def _pump(self, call) -> None:
         error: grpc.aio.AioRpcError | None = None
@@ -74,7 +78,7 @@ class MuxChannel:
         finally:
             self.open = False
             failure = error or _rpc_error(grpc.StatusCode.UNAVAILABLE, "engine subscription ended")
-            if error is None or error.code() != grpc.StatusCode.CANCELLED:
+            if not self._closing and (error is None or error.code() != grpc.StatusCode.CANCELLED):
                 log.warning("engine_subscription_lost", address=self.address, code=failure.code().name)
             for queue in self.queues.values():
                 queue.put_nowait(failure)
@@ -83,6 +87,7 @@ class MuxChannel:
         return MuxCall(self, request, timeout, metadata)
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
         if self._call is not None:

@@ -68,7 +68,8 @@ def stop_workers(workers: list, timeout: float, already_signalled: bool) -> int:
 
 def run_frontend_workers(options: FrontendOptions, count: int, log_level: str, log_json: bool,
                          on_stop: Callable[[], None] | None = None,
-                         on_ready: Callable[[], None] | None = None) -> int:
+                         on_ready: Callable[[], None] | None = None,
+                         on_force: Callable[[], None] | None = None) -> int:
     """Runs `count` frontend processes (this one included) until SIGTERM; drains them all."""
     if count < 1:
         raise ValueError("at least one frontend worker is needed")
@@ -88,8 +89,13 @@ def run_frontend_workers(options: FrontendOptions, count: int, log_level: str, l
         if on_stop is not None:
             on_stop()
 
+    def force() -> None:  # a second signal: the extra workers stop at once too
+        signal_workers(extra, signal.SIGKILL)
+        if on_force is not None:
+            on_force()
+
     try:
-        rc = run_frontend(options, on_stop=forward, on_ready=on_ready)
+        rc = run_frontend(options, on_stop=forward, on_ready=on_ready, on_force=force)
     finally:
         worst = stop_workers(extra, options.drain_timeout + 10, already_signalled=signalled)
         if relay_dir is not None:

@@ -33,10 +33,11 @@ from typing import Any
 import structlog
 
 from tandem.bench.results import BenchRecord, Deadline
-from tandem.bench.serve import ServeProcess, write_wordlevel_tokenizer
+from tandem.bench.serve import ServeProcess
 from tandem.bench.serve_client import CHANNEL_OPTIONS, ClientTiming, _stream_one
 from tandem.bench.stats import summarize
 from tandem.bench.workloads import BenchRequest
+from tandem.wordlevel_tokenizer import write_wordlevel_tokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -40,7 +40,6 @@ call twice); `field` / `label` say where their figures go, `name` is their side 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -60,6 +59,7 @@ from tandem.bench.serve_client import ClientProcesses, auto_client_procs, probe_
 from tandem.bench.serve_rounds import (IN_PROCESS, level_fraction, round_order, round_slices, schedule, served_name,
                                        summarize_level_rounds)
 from tandem.bench.workloads import BenchRequest, make_workload, warmup_prompt_lens, warmup_requests
+from tandem.wordlevel_tokenizer import write_wordlevel_tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -112,25 +112,6 @@ def stack_label(stack: dict[str, Any]) -> str:
 
 
 # -- tokenizer and server ------------------------------------------------------------------------
-
-
-def write_wordlevel_tokenizer(directory: str | Path, vocab_size: int, eos_token_id: int | None,
-                              max_model_len: int | None) -> Path:
-    """A tokenizer for a model without one: token i <-> the word "t<i>", words split on spaces."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(out / "tokenizer.json"))
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}
-    if eos_token_id is not None:
-        config["eos_token"] = f"t{eos_token_id}"
-    if max_model_len:
-        config["model_max_length"] = max_model_len
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    return out
 
 
 def free_port() -> int:

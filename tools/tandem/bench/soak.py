@@ -268,7 +268,8 @@ def run_soak_with_server(engine_config: Any, engine_flags: list[str], opts: Soak
     import tempfile
     from pathlib import Path
 
-    from tandem.bench.serve import ServeProcess, write_wordlevel_tokenizer
+    from tandem.bench.serve import ServeProcess
+    from tandem.wordlevel_tokenizer import write_wordlevel_tokenizer
     from tandem.engine_service.worker.loader import read_eos_token_ids, resolve_model
 
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-soak-"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import signal
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,6 +29,7 @@ from tandem.health import add_health
 from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.protocol import Limits
 from tandem.security import SecurityOptions, add_port
+from tandem.shutdown import StopSignals
 from tandem.v1 import engine_pb2
 
 log = structlog.get_logger(__name__)
@@ -122,7 +122,6 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
             metrics_endpoint.close()
         return 1
     fatal = asyncio.Event()
-    stop = asyncio.Event()
     core.on_fatal = lambda message: fatal.set()  # called on the event loop
     EngineMetrics(core, config.model.model, registry)  # before start: it adds a step listener
     core.start(loop)
@@ -143,11 +142,9 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     if ready is not None:
         ready.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
+    signals = StopSignals()
+    signals.install()
+    stop = signals.stop
     waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(fatal.wait())]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for w in waiters:
@@ -166,13 +163,11 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     # Drain: refuse new work, let in-flight requests finish within the timeout.
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     core.accepting = False
-    deadline = loop.time() + options.drain_timeout
-    while core.num_in_flight and loop.time() < deadline and not fatal.is_set():
-        await asyncio.sleep(0.05)
+    await signals.drain(lambda: 0 if fatal.is_set() else core.num_in_flight, options.drain_timeout)
     for request_id in core.in_flight_ids():
         core.abort(request_id)
     await health.enter_graceful_shutdown()
-    await server.stop(grace=2.0)
+    await server.stop(grace=0 if signals.force.is_set() else 2.0)
     core.stop()
     if metrics_endpoint is not None:
         metrics_endpoint.close()
