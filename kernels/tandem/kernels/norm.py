@@ -5,6 +5,10 @@ residual sum is rounded to the activation dtype (the model keeps its residual st
 dtype), the variance is taken in float32 over that rounded sum, the normalised value is rounded
 to the activation dtype and only then multiplied by the weight.
 
+``zero_centered=True`` is the Qwen3-Next / Qwen3.5 convention (transformers' ``Qwen3NextRMSNorm``):
+the scale is ``1 + weight`` and the whole product ``x·rstd·(1 + weight)`` is formed in float32
+and rounded once (the residual sum is rounded as above).
+
 Bytes moved per row of ``N`` elements of ``e`` bytes: ``rmsnorm`` reads ``N·e`` and writes
 ``N·e``; ``fused_add_rmsnorm`` reads ``2·N·e`` and writes ``2·N·e`` (the weight, ``N·e``, is
 read by every program but stays in L2). Fusing saves the separate add's ``3·N·e`` round trip.
@@ -57,6 +61,7 @@ def _rmsnorm_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = rows < n_rows
@@ -76,9 +81,13 @@ def _rmsnorm_kernel(
         tl.store(res_out_ptr + out_off, summed, mask=mask)
         x = summed.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / N + eps)
-    normed = cast(x * rstd[:, None], out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_off, cast(normed * w[None, :], out_ptr.dtype.element_ty), mask=mask)
+    if ZERO_CENTERED:  # one rounding, of the float32 product
+        tl.store(out_ptr + out_off, cast(x * rstd[:, None] * (1.0 + w[None, :]), out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        normed = cast(x * rstd[:, None], out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + out_off, cast(normed * w[None, :], out_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_view(name: str, t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -98,6 +107,7 @@ def _launch(
     eps: float,
     out: torch.Tensor | None,
     residual_out: torch.Tensor | None,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     check_dtype("x", x, FLOAT_DTYPES)
     check_dtype("weight", weight, FLOAT_DTYPES)
@@ -147,17 +157,18 @@ def _launch(
         BLOCK_N=block_n,
         ROWS=rows,
         HAS_RESIDUAL=residual is not None,
+        ZERO_CENTERED=zero_centered,
         num_warps=num_warps,
     )
     return out, residual_out
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, zero_centered: bool = False
 ) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (``[rows, N]`` or a strided ``[T, heads, N]`` view,
     as for Qwen3's per-head q/k norm). Returns a new contiguous tensor (or ``out``)."""
-    result, _ = _launch(x, None, weight, eps, out, None)
+    result, _ = _launch(x, None, weight, eps, out, None, zero_centered)
     return result
 
 
@@ -168,25 +179,30 @@ def fused_add_rmsnorm(
     eps: float,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``new_residual = x + residual``; ``out = rmsnorm(new_residual)``. Returns
     ``(out, new_residual)``; ``out``/``residual_out`` may alias ``x``/``residual`` (each row is
     read completely before it is written)."""
-    result, new_residual = _launch(x, residual, weight, eps, out, residual_out)
+    result, new_residual = _launch(x, residual, weight, eps, out, residual_out, zero_centered)
     assert new_residual is not None
     return result, new_residual
 
 
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """PyTorch twin of :func:`rmsnorm` (Hugging Face's ``LlamaRMSNorm`` arithmetic)."""
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """PyTorch twin of :func:`rmsnorm` (Hugging Face's ``LlamaRMSNorm`` arithmetic, or
+    ``Qwen3NextRMSNorm``'s when ``zero_centered``)."""
     xf = x.float()
+    if zero_centered:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * (1.0 + weight.float())).to(x.dtype).contiguous()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (normed.float() * weight.float()).to(x.dtype).contiguous()
 
 
 def fused_add_rmsnorm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch twin of :func:`fused_add_rmsnorm`."""
     new_residual = (x.float() + residual.float()).to(x.dtype)
-    return rmsnorm_reference(new_residual, weight, eps), new_residual.contiguous()
+    return rmsnorm_reference(new_residual, weight, eps, zero_centered), new_residual.contiguous()

@@ -57,7 +57,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine_service.layers.attention import AttentionMetadata
@@ -65,6 +64,7 @@ from tandem.engine_service.layers.linear import ColumnParallelLinear, RowParalle
 from tandem.kernels import causal_conv1d as conv_kernels
 from tandem.kernels import gated_delta_rule as delta_kernels
 from tandem.kernels import gated_norm as norm_kernels
+from tandem.kernels import gdn_gates as gate_kernels
 
 
 @dataclass(frozen=True)
@@ -153,12 +153,14 @@ class GatedDeltaNet(nn.Module):
             self._delta_chunk = delta_kernels.chunk_gated_delta_rule
             self._delta_update = delta_kernels.fused_recurrent_gated_delta_rule_update
             self._norm_gated = norm_kernels.rms_norm_gated
+            self._gates = gate_kernels.gdn_gates
         else:  # their PyTorch twins
             self._conv_prefill = conv_kernels.causal_conv1d_prefill_ref
             self._conv_update = conv_kernels.causal_conv1d_update_ref
             self._delta_chunk = delta_kernels.chunk_gated_delta_rule_ref
             self._delta_update = delta_kernels.fused_recurrent_gated_delta_rule_update_ref
             self._norm_gated = norm_kernels.rms_norm_gated_ref
+            self._gates = gate_kernels.gdn_gates_ref
         h = s.hidden_size
         if s.split_projections:
             self.in_proj_qkv = ColumnParallelLinear(h, s.conv_dim, bias=False)
@@ -175,7 +177,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(s.value_dim, h, bias=False)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`qkv [T, conv_dim]` (q, k, v blocks), `z [T, HV, V]`, `b, a [T, HV]`."""
+        """`qkv [T, conv_dim]` (q, k, v blocks), `z [T, HV, V]`, `b, a [T, HV]` (Qwen3-Next: views
+        `[T, H, HV / H]` of the packed projection, value head `h·HV/H + r` at `[:, h, r]`)."""
         s, t = self.shape, x.shape[0]
         if s.split_projections:
             z = self.in_proj_z(x).view(t, s.num_v_heads, s.head_v_dim)
@@ -187,7 +190,7 @@ class GatedDeltaNet(nn.Module):
         ba = self.in_proj_ba(x).view(t, s.num_k_heads, 2 * ratio)
         b, a = torch.split(ba, [ratio, ratio], dim=2)
         qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
-        return qkv, z.reshape(t, s.num_v_heads, s.head_v_dim), b.reshape(t, -1), a.reshape(t, -1)
+        return qkv, z.reshape(t, s.num_v_heads, s.head_v_dim), b, a
 
     def forward(
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata
@@ -222,9 +225,8 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, s.num_k_heads, s.head_k_dim)
         k = k.reshape(t, s.num_k_heads, s.head_k_dim)
         v = v.reshape(t, s.num_v_heads, s.head_v_dim)
-        beta = b.sigmoid()
-        # In float32: in half precision exp(A_log) may overflow (transformers does the same).
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        # beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias) in float32 (gdn_gates.py).
+        beta, g = self._gates(b, a, self.A_log, self.dt_bias)
         scale = s.head_k_dim**-0.5
         if decode:
             o = self._delta_update(q, k, v, g, beta, scale, recurrent_state, indices, use_qk_l2norm=True)

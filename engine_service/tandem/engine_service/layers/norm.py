@@ -62,16 +62,19 @@ class ZeroCenteredRMSNorm(nn.Module):
     The Qwen3-Next / Qwen3.5 convention (transformers' `Qwen3NextRMSNorm`): the whole product is
     formed in float32 and cast back once (unlike `RMSNorm`, which casts before scaling), and a
     zero weight is the identity scale. `forward(x, residual)` fuses the preceding residual add
-    as `RMSNorm` does and returns `(normalised, new_residual)`.
+    as `RMSNorm` does and returns `(normalised, new_residual)`. `fused=True` runs both forms as
+    one Triton kernel each (the zero-centred variant of `RMSNorm`'s, same roundings), `x` then
+    also a strided `[T, heads, N]` view.
     """
 
     # What `loader.init_dummy_weights` fills the weight with (the identity scale).
     dummy_weight_value = 0.0
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, fused: bool = False) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.zeros(hidden_size))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,10 +91,14 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps, zero_centered=True)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps, zero_centered=True)
         if residual is None:
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, zero_centered"
+        return f"{self.hidden_size}, eps={self.eps}, zero_centered" + (", fused" if self.fused else "")

@@ -148,8 +148,8 @@ class GatedAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = ColumnParallelLinear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = RowParallelLinear(self.num_heads * d, h, bias=bias)
-        self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
+        self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps, fused=backend.fused_layers)
+        self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps, fused=backend.fused_layers)
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, d**-0.5, backend)
 
     def forward(
@@ -186,8 +186,8 @@ class HybridDecoderLayer(nn.Module):
             )
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, fused=fused)
-        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=fused)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=fused)
 
     def forward(
         self,
@@ -216,7 +216,7 @@ class HybridModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused=backend.fused_layers)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
 
     def forward(
