@@ -16,6 +16,8 @@ How the Triton path works (two GEMM launches plus cheap torch bookkeeping):
    padded to a multiple of ``BLOCK_M`` rows; ``sorted_pairs`` lists the pair index per row
    (``P`` marks padding) and ``block_expert`` the expert of each ``BLOCK_M``-row block (-1 for
    blocks past the end). The buffer is sized for the worst case, ``P + min(E, P)·(BLOCK_M-1)``.
+   A decode step passes the same layout already built by the routing launch
+   (``moe_routing.route_experts``, ``layout=``): then no torch op runs here at all.
 2. ``_moe_gate_up_kernel``: per (row block, column tile of I), gathers the block's token rows
    of ``x``, multiplies them by the expert's gate and up tiles (float32 accumulators), applies
    SiLU·mul in registers and writes the ``[P, I]`` activation once, rounded to the model dtype
@@ -68,6 +70,8 @@ __all__ = [
     "fused_moe_ref",
     "fused_moe_reference",
     "MoeFp8Scales",
+    "PairLayout",
+    "pair_block_m",
     "select_experts",
 ]
 
@@ -80,6 +84,18 @@ class MoeFp8Scales:
     gate_up: torch.Tensor
     down: torch.Tensor
     block: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PairLayout:
+    """The (token, slot) pairs sorted by expert, as ``align_pairs_by_expert`` returns them:
+    ``sorted_pairs [R]`` int32 and ``block_expert [R // block_m]`` int32, for row blocks of
+    ``block_m = pair_block_m(N·k, E)`` rows. ``moe_routing.route_experts`` builds it in its
+    routing launch; ``fused_moe`` takes it instead of aligning the pairs itself."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
 
 
 def select_experts(
@@ -320,7 +336,7 @@ def _moe_down_kernel(
     tl.store(out, cast(acc, out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
+def pair_block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per block: about the tokens an expert gets (tl.dot needs at least 16)."""
     per_expert = num_pairs / num_experts
     if per_expert <= 16:
@@ -360,13 +376,15 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     scales: MoeFp8Scales | None = None,
+    layout: PairLayout | None = None,
 ) -> torch.Tensor:
     """``[N, Hd]`` -> ``[N, Hd]``: the weighted sum of each token's ``k`` experts' SwiGLU MLPs.
 
     ``w_gate_up [E, 2I, Hd]`` (gate rows first), ``w_down [E, Hd, I]``, both contiguous and in
     ``hidden``'s dtype; ``topk_weights [N, k]`` float32; ``topk_ids [N, k]`` int32/int64 in
     ``[0, E)``. Runs on CUDA (ROCm) and on CPU under ``TRITON_INTERPRET=1``. With ``scales`` the
-    weights are FP8 (see the module docstring).
+    weights are FP8 (see the module docstring). ``layout``: the pairs already aligned for these
+    ``topk_ids`` (``moe_routing.route_experts``); without it the pairs are aligned here.
     """
     n, hd, e, inter, k = _check_inputs(hidden, w_gate_up, w_down, topk_weights, topk_ids, scales)
     check_contiguous_last_dim("hidden", hidden)
@@ -377,8 +395,13 @@ def fused_moe(
     if n == 0:
         return torch.empty(0, hd, dtype=dtype, device=device)
     p = n * k
-    block_m = _block_m(p, e)
-    sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, e, block_m)
+    block_m = pair_block_m(p, e)
+    if layout is None:
+        sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, e, block_m)
+    elif layout.block_m != block_m:
+        raise ValueError(f"layout has {layout.block_m}-row blocks; {p} pairs over {e} experts need {block_m}")
+    else:
+        sorted_pairs, block_expert = layout.sorted_pairs, layout.block_expert
     num_blocks = block_expert.shape[0]
     act = torch.empty(p, inter, dtype=dtype, device=device)
     pair_out = torch.empty(p, hd, dtype=dtype, device=device)

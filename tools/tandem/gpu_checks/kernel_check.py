@@ -45,6 +45,8 @@ from tandem.kernels import (
     fused_moe,
     gated_delta_rule,
     gated_norm,
+    gdn_gates,
+    moe_routing,
     kv_store,
     norm,
     paged_attention,
@@ -276,6 +278,16 @@ def _norm_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iter
         def cmp_norm(x=x, out=out):
             return [("out", out, norm.rmsnorm_reference(x, weight, 1e-6))]
 
+        def run_zc(x=x, res=res, out=out, res_out=res_out) -> None:
+            norm.fused_add_rmsnorm(x, res, weight, 1e-6, out=out, residual_out=res_out, zero_centered=True)
+
+        def cmp_zc(x=x, res=res, out=out, res_out=res_out):
+            ref, ref_res = norm.fused_add_rmsnorm_reference(x, res, weight, 1e-6, zero_centered=True)
+            return [("out", out, ref), ("residual", res_out, ref_res)]
+
+        yield Case("fused_add_rmsnorm_zero_centered", f"T={tokens} N={hidden}", {"tokens": tokens, "n": hidden},
+                   run_zc, cmp_zc, prep_add, bytes_moved=4 * x.numel() * elt)
+
         yield Case("rmsnorm", f"T={tokens} N={hidden}", {"tokens": tokens, "n": hidden},
                    run_norm, cmp_norm, lambda out=out: out.fill_(float("nan")),
                    bytes_moved=2 * x.numel() * elt)
@@ -437,7 +449,7 @@ def _moe_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Itera
             out.copy_(fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids))
 
         def align(ids=ids, p=tokens * k) -> None:
-            fused_moe.align_pairs_by_expert(ids, e, fused_moe._block_m(p, e))
+            fused_moe.align_pairs_by_expert(ids, e, fused_moe.pair_block_m(p, e))
 
         def cmp(x=x, weights=weights, ids=ids, out=out):
             return [("out", out, fused_moe.fused_moe_reference(x, w_gate_up, w_down, weights, ids))]
@@ -448,6 +460,59 @@ def _moe_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Itera
                    run, cmp, lambda out=out: out.fill_(float("nan")),
                    bytes_moved=distinct * expert_bytes + activations,
                    flops=2 * tokens * k * 3 * hd * inter, extra_timings={"align": align})
+
+
+def _routing_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    """`moe_routing.route_experts` (top-k and, up to ALIGN_MAX_PAIRS pairs, the pair layout in one
+    launch) against its twin, timed beside the PyTorch routing it replaces (`torch_routing`).
+    Slot by slot, the weights and the chosen experts' probabilities must match the twin's (so an
+    expert may differ only where two experts' probabilities tie, which bfloat16 logits make
+    common at the k-th place); the layout must equal `align_pairs_by_expert` of the kernel's ids."""
+    for e, k in ((QWEN3_MOE["experts"], QWEN3_MOE["top_k"]), (512, 10)):
+        for tokens in (1, 64, 256, 4096):
+            logits = torch.randn(tokens, e, device=device, generator=gen).to(DTYPE)
+            got: dict[str, Any] = {}
+
+            def run(logits=logits, k=k, got=got) -> None:
+                got["out"] = moe_routing.route_experts(logits, k, True, DTYPE)
+
+            def cmp(logits=logits, e=e, k=k, got=got):
+                weights, ids, layout = got["out"]
+                ref_w, ref_ids, _ = moe_routing.reference(logits, k, True, DTYPE)
+                probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+                checks = [("weights", weights, ref_w),
+                          ("chosen_probs", probs.gather(1, ids.long()), probs.gather(1, ref_ids.long()))]
+                if layout is not None:
+                    pairs, blocks = fused_moe.align_pairs_by_expert(ids, e, layout.block_m)
+                    checks += [("sorted_pairs", layout.sorted_pairs.float(), pairs.float()),
+                               ("block_expert", layout.block_expert.float(), blocks.float())]
+                return checks
+
+            def torch_routing(logits=logits, e=e, k=k) -> None:
+                w, ids = fused_moe.select_experts(logits, k, True)
+                w.to(DTYPE).float()
+                fused_moe.align_pairs_by_expert(ids, e, fused_moe.pair_block_m(ids.numel(), e))
+
+            yield Case("route_experts", f"N={tokens} E={e} k={k}", {"tokens": tokens, "experts": e, "top_k": k},
+                       run, cmp, got.clear, bytes_moved=logits.numel() * logits.element_size(),
+                       extra_timings={"torch_routing": torch_routing})
+    # The GDN gates of Qwen3-Next (32 value heads, packed as 16 key heads x (2 b | 2 a)).
+    for tokens in (1, 256):
+        ba = torch.randn(tokens, 16, 4, device=device, dtype=DTYPE, generator=gen) * 4
+        a_log = torch.randn(32, device=device, generator=gen).to(DTYPE)
+        dt_bias = torch.randn(32, device=device, generator=gen).to(DTYPE)
+        gates: dict[str, Any] = {}
+
+        def run_gates(ba=ba, a_log=a_log, dt_bias=dt_bias, gates=gates) -> None:
+            gates["out"] = gdn_gates.gdn_gates(ba[:, :, :2], ba[:, :, 2:], a_log, dt_bias)
+
+        def cmp_gates(ba=ba, a_log=a_log, dt_bias=dt_bias, gates=gates):
+            beta, g = gates["out"]
+            ref_beta, ref_g = gdn_gates.gdn_gates_ref(ba[:, :, :2], ba[:, :, 2:], a_log, dt_bias)
+            return [("beta", beta, ref_beta), ("g", g, ref_g)]
+
+        yield Case("gdn_gates", f"T={tokens} HV=32", {"tokens": tokens}, run_gates, cmp_gates, gates.clear,
+                   bytes_moved=ba.numel() * ba.element_size() + tokens * 32 * 6)
 
 
 def _sampling_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
@@ -889,7 +954,7 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator(device=device)
         gen.manual_seed(args.seed)
         families = [_decode_cases, _prefill_cases, _norm_cases, _rotary_cases, _activation_cases,
-                    _moe_cases, _sampling_cases, _gdn_cases]
+                    _moe_cases, _routing_cases, _sampling_cases, _gdn_cases]
         for family in families:
             # A family that lists its kernel names is skipped unbuilt when --only excludes them.
             names = getattr(family, "kernels", None)

@@ -22,9 +22,10 @@ loader stacks those into the fused parameters through `per_expert_checkpoint_nam
 
 Two op sets, chosen at construction (`fused`, the attention backend's `fused_layers`): the
 PyTorch one (the reference and CPU path) runs `fused_moe_reference`; the fused one runs the
-Triton `fused_moe` and computes the router logits, the shared expert's gate/up and its sigmoid
-gate logit as ONE GEMM over a merged weight (all three read the same `x`), then the shared
-expert's SiLU·mul kernel and down projection.
+Triton `fused_moe` (routed by `moe_routing.route_experts`: one launch for the top-k and, in
+decode-sized batches, the expert-sorted pair layout) and computes the router logits, the shared
+expert's gate/up and its sigmoid gate logit as ONE GEMM over a merged weight (all three read the
+same `x`), then the shared expert's SiLU·mul kernel and down projection.
 
 FP8 experts (`ExpertWeights.to_fp8`): the stacked weights are e4m3 with block scales
 `gate_up_proj_scale_inv [E, ceil(2I/bn), ceil(Hd/bk)]`, `down_proj_scale_inv [E, ceil(Hd/bn),
@@ -48,6 +49,7 @@ from tandem.engine_service.layers.mlp import GatedMLP
 from tandem.kernels import activation as activation_kernels
 from tandem.kernels.fp8_gemm import FP8_DTYPE
 from tandem.kernels.fused_moe import MoeFp8Scales, fused_moe, fused_moe_reference, select_experts
+from tandem.kernels.moe_routing import route_experts
 
 __all__ = ["ExpertWeights", "MoeSpec", "SparseMoeBlock", "expected_distinct_experts", "per_expert_checkpoint_name"]
 
@@ -221,8 +223,11 @@ class SparseMoeBlock(nn.Module):
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         projected = self.input_proj(x)
         e = self.num_experts
-        weights, ids = self.route(projected[:, :e])
-        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.experts.scales())
+        # One launch: softmax, top-k, renormalisation, the weights' rounding, and (decode-sized
+        # batches) the expert-sorted pair layout the expert GEMMs read.
+        weights, ids, layout = route_experts(projected[:, :e], self.top_k, self.norm_topk_prob, projected.dtype)
+        out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.experts.scales(),
+                        layout)
         if self.shared_expert is None:
             return out
         shared_gate = torch.sigmoid(projected[:, e : e + 1])
