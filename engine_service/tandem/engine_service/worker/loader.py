@@ -37,6 +37,7 @@ from tandem.engine_service.layers.linear import default_weight_loader
 from tandem.engine_service.layers.moe import ExpertWeights, per_expert_checkpoint_name
 from tandem.engine_service.layers.norm import RMSNorm
 from tandem.engine_service.models.registry import get_model_class
+from tandem.engine_service.worker.meta_init import materialize, meta_parameters
 from tandem.engine_service.worker.quantization import CheckpointFp8, quantize_model, read_checkpoint_fp8
 from tandem.kernels.fp8_gemm import FP8_DTYPE
 from tandem.model_spec import DUMMY_PREFIX, EMBEDDED_MODELS, embedded_model_path, is_hub_id, resolve_hub_model
@@ -201,11 +202,14 @@ def build_model(
     cls = get_model_class(resolved.config)
     cfg = cls.config_from_hf(resolved.config)
     device = torch.device(device)
-    # Parameters are allocated uninitialised directly on the device: no CPU staging, no init cost.
-    with torch.device(device), _default_dtype(dtype):
+    # Parameters are built on the meta device (buffers for real on `device`), turned into FP8
+    # where asked, and only then given uninitialised storage on the device: the peak is the model
+    # as served, never the whole model in the model dtype; no CPU staging, no init cost.
+    with torch.device(device), _default_dtype(dtype), meta_parameters():
         model = cls(cfg, select_attention_backend(device, attention_backend))
     fp8 = None if resolved.is_dummy else read_checkpoint_fp8(resolved.config, _stored_names(resolved.path))
     block = quantize_model(model, quantization, fp8, getattr(model, "checkpoint_name", None))
+    materialize(model, device)
     if resolved.is_dummy:
         init_dummy_weights(model, seed)
     else:
