@@ -87,6 +87,8 @@ class SchedulerReason(str, enum.Enum):
     KV_TRANSFER_REFUSED = "kv_transfer_refused"
     # The producer could not be reached, broke off or sent corrupt bytes: UNAVAILABLE (retryable).
     KV_PRODUCER_UNAVAILABLE = "kv_producer_unavailable"
+    # The request's deadline (CoreRequest.deadline) passed before it ended: DEADLINE_EXCEEDED.
+    DEADLINE_EXCEEDED = "deadline_exceeded"
 
 
 class StopToken(msgspec.Struct, frozen=True, tag="token", array_like=True):
@@ -222,6 +224,9 @@ class CoreRequest(msgspec.Struct, tag="add", array_like=True, kw_only=True):
     arrival_time: float  # time.monotonic() at the gRPC server (system-wide clock on Linux)
     channel: str | None = None  # the multiplexed channel its outputs go to (gRPC side only)
     kv_transfer_params: KVTransferParams | None = None
+    # time.monotonic() (same clock as arrival_time) when the call's gRPC deadline passes; None:
+    # none. The scheduler never admits a request past it and stops one running past it.
+    deadline: float | None = None
 
 
 class CoreAbort(msgspec.Struct, tag="abort", array_like=True):

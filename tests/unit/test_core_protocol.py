@@ -391,3 +391,48 @@ def test_kv_transfer_tandem_fields_round_trip_through_a_struct_dict():
         KVTransferParams.from_dict({"remote_group_block_ids": [[1.5]]})
     with pytest.raises(ValueError, match="first_token_id"):
         KVTransferParams.from_dict({"first_token_id": 2.5})
+
+
+def test_deadlines_travel_into_the_core_and_end_requests_deadline_exceeded(engine):
+    """Deadlines in the core protocol: a CoreRequest's deadline survives the codec; an expired
+    request is ended without running (deadline_exceeded, mapped to DEADLINE_EXCEEDED) and holds
+    nothing; one whose deadline is not reached runs as usual. (A running request stopped at its
+    deadline: tests/unit/test_scheduler.py.)"""
+    import time
+
+    import grpc
+
+    from tandem.core_protocol import CoreCodec, CoreRequest, SchedulerReason, SchedulerStop
+    from tandem.engine_service.api.inproc_client import InProcessCoreClient
+    from tandem.engine_service.api.server import error_status
+
+    codec = CoreCodec()
+    req = CoreRequest(request_id="d", prompt_token_ids=[1], sampling=SamplingParams(), arrival_time=1.0, deadline=2.5)
+    assert codec.input_decoder.decode(codec.encoder.encode(req)).deadline == 2.5
+
+    async def collect(stream):
+        tokens = []
+        while True:
+            for o in await stream.next_batch():
+                tokens += o.new_token_ids
+                if o.finished:
+                    return tokens, o
+
+    async def main():
+        client = InProcessCoreClient(engine)
+        client.start()
+        try:
+            params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+            expired = client.submit("expired", [11, 12, 13], params, deadline=time.monotonic() - 1)
+            tokens, final = await collect(expired)
+            assert tokens == [] and final.finish_reason == FinishReason.ERROR
+            assert final.stop_reason == SchedulerStop(SchedulerReason.DEADLINE_EXCEEDED)
+            assert error_status(final) == grpc.StatusCode.DEADLINE_EXCEEDED
+            tokens, final = await collect(client.submit("later", [11, 12, 13], params, deadline=time.monotonic() + 60))
+            assert final.finish_reason == FinishReason.LENGTH and tokens  # a deadline not reached changes nothing
+            stats = await client.utility(UtilityCommand.STATS)
+            assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+        finally:
+            client.stop()
+
+    asyncio.run(main())

@@ -140,12 +140,12 @@ class Stack:
     """A fake engine and a real frontend, both served on loopback in this event loop."""
 
     def __init__(self, tokenizer, smollm2_dir, security: SecurityOptions | None = None,
-                 pool: tuple[int, int] = (2, 256), **engine_kw) -> None:
+                 pool: tuple[int, int] = (2, 256), engine_cls: type = None, **engine_kw) -> None:
         self.pool_size = pool
         self.tokenizer = tokenizer
         self.model_path = str(smollm2_dir)
         self.security = security or SecurityOptions()
-        self.engine = FakeEngine(self.model_path, **engine_kw)
+        self.engine = (engine_cls or FakeEngine)(self.model_path, **engine_kw)
         self.metrics = FrontendMetrics()
 
     async def __aenter__(self) -> "Stack":
@@ -377,6 +377,47 @@ def test_engine_error_racing_the_deadline_is_deadline_exceeded(tokenizer, smollm
         await pool.close()
         codes = _requests_by_code(metrics)
         assert codes.get("DEADLINE_EXCEEDED") == 1 and not codes.get("UNKNOWN"), codes
+
+    run(scenario())
+
+
+class _FinalAtDeadlineEngine(FakeEngine):
+    """Streams one token, then holds its final message until its own deadline is 20 ms away."""
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__(model_path)
+        self.given: list[float] = []  # each call's time remaining when it arrived
+
+    async def Stream(self, request, context):
+        rid = request.request_id
+        self.given.append(context.time_remaining())  # the time its call was given
+        yield engine_pb2.EngineResponse(request_id=rid, token_ids=[100])
+        while context.time_remaining() > 0.02:
+            await asyncio.sleep(min(0.005, max(context.time_remaining() - 0.02, 0)))
+        msg = engine_pb2.EngineResponse(request_id=rid, token_ids=[101], finish_reason=C.FINISH_REASON_LENGTH)
+        msg.usage.prompt_tokens = len(request.prompt_token_ids)
+        msg.usage.completion_tokens = 2
+        yield msg
+
+
+def test_a_stream_whose_final_message_came_before_the_deadline_ends_ok(tokenizer, smollm2_dir):
+    """Issue 19: the engine sends the final message just before its deadline; the client gets it
+    and the OK trailers before its own deadline, never the finish reason followed by
+    DEADLINE_EXCEEDED, because the engine's deadline comes a margin before the client's."""
+
+    async def scenario():
+        async with Stack(tokenizer, smollm2_dir, engine_cls=_FinalAtDeadlineEngine) as s:
+            for _ in range(5):
+                req = frontend_pb2.GenerateRequest(prompt="Hello")
+                req.sampling.max_tokens = 2
+                finish = []
+                sent = time.monotonic()
+                async for msg in s.stub.Stream(req, timeout=0.5):
+                    finish += [c.finish_reason for c in msg.choices if c.finish_reason]
+                    assert time.monotonic() - sent < 0.5
+                assert finish == [C.FINISH_REASON_LENGTH]
+            # The engine's deadline came a margin before the client's, every time.
+            assert len(s.engine.given) == 5 and all(r < 0.5 - 0.045 for r in s.engine.given), s.engine.given
 
     run(scenario())
 

@@ -679,3 +679,32 @@ def test_a_running_sequence_short_of_blocks_held_by_leases_waits_instead_of_fail
     assert kv.release_request("p") and kv.sweep() == 1
     d.run()
     assert grows.finish_reason == FinishReason.LENGTH and grows.num_output_tokens == 3
+
+
+def test_expired_requests_are_never_admitted_and_running_ones_stop() -> None:
+    """Deadlines in the core: a waiting request past its deadline is ended without running, a
+    running one is stopped between steps; both end deadline_exceeded with their blocks freed."""
+    from tandem.engine_service.core.scheduler import DEADLINE_EXCEEDED
+
+    d = Driver(num_blocks=16, max_model_len=100)
+    now = [100.0]
+    d.sched._clock = lambda: now[0]
+    late = Sequence("late", list(range(6)), SamplingParams(max_tokens=4), deadline=99.0)
+    running = Sequence("run", list(range(10, 16)), SamplingParams(max_tokens=50), deadline=100.5)
+    plain = d.add("plain", list(range(20, 26)), max_tokens=8)
+    for seq in (late, running):
+        d.seqs[seq.request_id] = seq
+        d.sched.add(seq)
+    out = d.step()
+    assert out.finished == [late] and late.stop_reason == DEADLINE_EXCEEDED
+    assert late.finish_reason == FinishReason.ERROR and late.num_computed_tokens == 0
+    assert {item.seq.request_id for item in out.scheduled} == {"run", "plain"}
+    d.step()
+    assert running.num_output_tokens == 2 and not running.is_finished
+    now[0] = 100.6
+    out = d.step()
+    assert out.finished == [running] and running.stop_reason == DEADLINE_EXCEEDED
+    assert running not in d.sched.running and running.block_table == []
+    d.run()
+    assert plain.finish_reason == FinishReason.LENGTH and plain.num_output_tokens == 8
+    assert d.bm.num_used_blocks == 0 and not d.sched.has_work()

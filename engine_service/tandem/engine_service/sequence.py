@@ -35,6 +35,7 @@ class Sequence(PendingTokens):
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        deadline: float | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a sequence needs at least one prompt token")
@@ -76,6 +77,8 @@ class Sequence(PendingTokens):
         self.kv_lease_id: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
+        # time.monotonic() past which the scheduler ends it with DEADLINE_EXCEEDED (None: never).
+        self.deadline = deadline
         self.generator: torch.Generator | None = seeded_generator(params)
 
     # -- cache views -------------------------------------------------------------------------

@@ -89,6 +89,21 @@ def needs_no_tokenizer(request) -> bool:
     return bool(request.prompt_token_ids) and not request.stop
 
 
+# A choice's engine calls end this much before the client's deadline (at most a tenth of the time
+# left): a final message an engine sends just before its own deadline still reaches the client
+# with the OK trailers before the client's timer fires, instead of the client reading the finish
+# reason and then DEADLINE_EXCEEDED. An engine call that runs out ends the client's call with
+# DEADLINE_EXCEEDED and no final message, as before.
+TRAILER_MARGIN_S = 0.05
+
+
+def engine_timeout(remaining: float | None) -> float | None:
+    """The timeout of a choice's engine calls when the client's call has `remaining` seconds."""
+    if remaining is None:
+        return None
+    return max(remaining - min(TRAILER_MARGIN_S, remaining / 10), 0.0)
+
+
 class _Aborted(Exception):
     """Internal: the fan-out queue's marker that Utility ABORT ended the request."""
 
@@ -321,7 +336,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         replica = active.replica
         choices = [self.builder.choice_state(prepared, i) for i in range(len(prepared.engine_requests))]
         queue: asyncio.Queue = asyncio.Queue()
-        deadline = context.time_remaining()
+        deadline = engine_timeout(context.time_remaining())
         obs = active.observation
         metadata = obs.engine_metadata()  # the client's trace continues on the engine hop
         open_choices = set(range(len(prepared.engine_requests)))

@@ -139,8 +139,10 @@ class CoreClient:
         params: SamplingParams,
         channel: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        deadline: float | None = None,
     ) -> RequestStream:
-        """Admits a request. With `channel`, its outputs go to that open channel's queue."""
+        """Admits a request. With `channel`, its outputs go to that open channel's queue;
+        `deadline` (time.monotonic()) is when the core stops it (None: never)."""
         if channel is not None and channel not in self._channels:
             raise UnknownChannelError(channel)
         if self.fatal_error is not None:
@@ -163,7 +165,7 @@ class CoreClient:
             self._channel_members[channel].add(request_id)
         self._send(CoreRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=params,
                                arrival_time=time.monotonic(), channel=channel,
-                               kv_transfer_params=kv_transfer_params))
+                               kv_transfer_params=kv_transfer_params, deadline=deadline))
         return stream
 
     def queue_depth(self) -> tuple[int, int]:

@@ -75,7 +75,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return self.engine
 
     # -- request admission -------------------------------------------------------------------------
-    def _admit(self, request: engine_pb2.EngineRequest, channel: str | None = None, metadata=()):
+    def _admit(self, request: engine_pb2.EngineRequest, channel: str | None = None, metadata=(),
+               time_remaining: float | None = None):
         if not request.request_id:
             raise InvalidRequest("request_id", "must not be empty")
         if len(request.request_id) > 512:
@@ -88,13 +89,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             [list(s.token_ids) for s in request.stop_token_sequences],
         )
         kv_params = kv_transfer_params_of(request, metadata)
-        return self.engine.submit(request.request_id, prompt, params, channel=channel, kv_transfer_params=kv_params)
+        # The call's deadline travels into the core, which enforces it whatever the transport
+        # (a multiplexed request's Submit call ends long before the request does).
+        deadline = None if time_remaining is None else time.monotonic() + time_remaining
+        return self.engine.submit(request.request_id, prompt, params, channel=channel, kv_transfer_params=kv_params,
+                                  deadline=deadline)
 
     async def _start(self, request, context, channel: str | None = None):
         await reject_malformed(request, context)
         await self._require_engine(context)
         try:
-            return self._admit(request, channel, context.invocation_metadata())
+            return self._admit(request, channel, context.invocation_metadata(), context.time_remaining())
         except UnknownChannelError:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"channel_id {echo(channel)} is not subscribed")
         except InvalidRequest as exc:
@@ -299,6 +304,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 ERROR_STATUS = {
     SchedulerReason.KV_TRANSFER_REFUSED: grpc.StatusCode.INVALID_ARGUMENT,
     SchedulerReason.KV_PRODUCER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    SchedulerReason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 

@@ -128,9 +128,10 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        deadline: float | None = None,
     ) -> Sequence:
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                       arrival_time=arrival_time, kv_transfer_params=kv_transfer_params)
+                       arrival_time=arrival_time, kv_transfer_params=kv_transfer_params, deadline=deadline)
         self.scheduler.add(seq)
         self.counters.prompt_tokens += len(prompt_token_ids)
         return seq

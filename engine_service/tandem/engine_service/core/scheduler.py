@@ -36,6 +36,7 @@ append tokens synchronously.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -56,6 +57,7 @@ log = structlog.get_logger(__name__)
 # stop_reasons of sequences the scheduler itself ends with FinishReason.ERROR.
 KV_CACHE_TOO_SMALL = SchedulerStop(SchedulerReason.KV_CACHE_TOO_SMALL)
 EXCEEDS_MAX_MODEL_LEN = SchedulerStop(SchedulerReason.EXCEEDS_MAX_MODEL_LEN)
+DEADLINE_EXCEEDED = SchedulerStop(SchedulerReason.DEADLINE_EXCEEDED)
 
 
 @dataclass
@@ -108,6 +110,11 @@ class Scheduler:
     them to end (pulled, released or expired, `lease_seconds` at most); it ends with
     kv_cache_too_small only when nothing at all holds blocks or slots and it still does not fit.
 
+    Deadlines (`Sequence.deadline`, the call's gRPC deadline): at the start of every `schedule`
+    a sequence whose deadline has passed, waiting, loading or running, ends with ERROR
+    (deadline_exceeded) and frees its blocks and slot, so an expired request is never admitted
+    and a running one stops consuming steps.
+
     `running` and `waiting` are exposed for inspection; callers must not mutate them.
     """
 
@@ -139,6 +146,9 @@ class Scheduler:
         # Requests holding blocks while their KV is loaded from a producer (admission order).
         self.loading: dict[str, Sequence] = {}
         self._failed_loads: list[tuple[Sequence, SchedulerStop]] = []
+        self._clock = time.monotonic
+        # How many live sequences carry a deadline (0: `schedule` skips looking for expired ones).
+        self._num_deadlines = 0
 
     # -- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -147,6 +157,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._requests[seq.request_id] = seq
+        self._num_deadlines += seq.deadline is not None
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
@@ -205,6 +216,8 @@ class Scheduler:
         for seq, stop in self._failed_loads:
             self._finish_error(out, seq, stop)
         self._failed_loads.clear()
+        if self._num_deadlines:
+            self._end_expired(out)
         budget = self.config.max_num_batched_tokens
         budget, num_ending = self._schedule_running(out, budget)
         if not out.preempted:
@@ -213,6 +226,31 @@ class Scheduler:
         if self.block_manager.checkpoints is not None:
             out.state_copies_before, out.state_copies_after = self.block_manager.pop_state_copies()
         return out
+
+    def _end_expired(self, out: SchedulerOutput) -> None:
+        """Ends every sequence whose deadline has passed, wherever it is (see the class docstring)."""
+        now = self._clock()
+        self._num_deadlines = 0
+        expired = []
+        for seq in self._requests.values():
+            if seq.deadline is None:
+                continue
+            if seq.deadline <= now:
+                expired.append(seq)
+            else:
+                self._num_deadlines += 1
+        for seq in expired:
+            if seq.is_finished:
+                continue  # ended by a token not yet passed to end_step: it ends there
+            if seq.status == SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+            elif seq.status == SequenceStatus.LOADING_KV:
+                del self.loading[seq.request_id]
+                assert self.kv_connector is not None
+                self.kv_connector.cancel_load(seq.request_id)  # before its blocks go to anyone else
+            else:
+                self.running.remove(seq)
+            self._finish_error(out, seq, DEADLINE_EXCEEDED)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
         """Schedules running sequences; returns the budget left and how many running sequences
