@@ -89,6 +89,8 @@ class SchedulerReason(str, enum.Enum):
     KV_PRODUCER_UNAVAILABLE = "kv_producer_unavailable"
     # The request's deadline (CoreRequest.deadline) passed before it ended: DEADLINE_EXCEEDED.
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    # A prefill leg would make the producer hold more leases than its caps: RESOURCE_EXHAUSTED.
+    KV_LEASES_EXHAUSTED = "kv_leases_exhausted"
 
 
 class StopToken(msgspec.Struct, frozen=True, tag="token", array_like=True):
@@ -227,6 +229,9 @@ class CoreRequest(msgspec.Struct, tag="add", array_like=True, kw_only=True):
     # time.monotonic() (same clock as arrival_time) when the call's gRPC deadline passes; None:
     # none. The scheduler never admits a request past it and stops one running past it.
     deadline: float | None = None
+    # Who sent it (the engine service's AccessPolicy.caller_identity; None: callers not told
+    # apart): a producer caps the leases each caller holds.
+    caller: str | None = None
 
 
 class CoreAbort(msgspec.Struct, tag="abort", array_like=True):

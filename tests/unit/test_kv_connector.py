@@ -971,3 +971,70 @@ def test_a_consumer_killed_mid_pull_releases_the_lease_on_the_producer():
         assert [x.lease_id for x in srv.leases.take_releasable()] == [lease.lease_id]
     finally:
         srv.close()
+
+
+def test_leases_are_capped_in_total_and_per_caller():
+    """Issue 19: a producer refuses a prefill leg (kv_leases_exhausted) past `max_leases` in all
+    or `max_leases_per_caller` for its caller, counting live leases and admitted legs; a leg that
+    ends without a lease, and a released lease, make room again."""
+    from tandem.core_protocol import SchedulerReason
+
+    bm = _bm()
+    kv = KVConnectorScheduler(KVTransferConfig(role="producer", max_leases=3, max_leases_per_caller=2), bm, "me",
+                              ("127.0.0.1", 1))
+
+    def leg(rid: str) -> Sequence:
+        return _seq(rid, list(range(10, 18)), KVTransferParams(do_remote_decode=True))
+
+    assert kv.reserve_lease(_seq("plain", [1, 2]), "a") is None  # not a prefill leg: never capped
+    a1, a2, a3, b1, b2 = (leg(r) for r in ("a1", "a2", "a3", "b1", "b2"))
+    assert kv.reserve_lease(a1, "a") is None and kv.reserve_lease(a2, "a") is None
+    refused = kv.reserve_lease(a3, "a")
+    assert refused.reason == SchedulerReason.KV_LEASES_EXHAUSTED and "caller" in refused.detail
+    assert kv.reserve_lease(b1, "b") is None
+    refused = kv.reserve_lease(b2, "b")
+    assert refused.reason == SchedulerReason.KV_LEASES_EXHAUSTED and "(3)" in refused.detail
+    # a1 makes its lease (still counted); a2 ends without one (room again).
+    assert bm.allocate(a1, 8)
+    a1.num_computed_tokens = 8
+    a1.append_token(5)
+    a1.finish(FinishReason.LENGTH)
+    kv.on_request_finished(a1)
+    assert a1.kv_lease_id is not None and kv.leases.count_for("a") == 1
+    a2.finish(FinishReason.ABORT)
+    kv.on_request_finished(a2)
+    assert kv.reserve_lease(b2, "b") is None  # 3 again: a1's lease, b1, b2
+    assert kv.reserve_lease(a3, "a").reason == SchedulerReason.KV_LEASES_EXHAUSTED
+    assert kv.release_request("a1") and kv.sweep() == 1
+    assert kv.reserve_lease(a3, "a") is None
+
+
+def test_a_prefill_leg_past_the_lease_cap_ends_resource_exhausted_and_holds_nothing():
+    import dataclasses
+
+    import grpc
+
+    from tandem.core_protocol import CoreRequest, SchedulerReason, SchedulerStop
+    from tandem.engine_service.api.server import error_status
+    from tests.integration.test_kv_transfer import config, greedy, prompt, run
+    from tandem.engine_service.core.engine import LLMEngine
+    from tandem.engine_service.core.engine_core import EngineCore
+
+    cfg = config("producer")
+    cfg = dataclasses.replace(cfg, kv_transfer=dataclasses.replace(cfg.kv_transfer, max_leases=1))
+    core = EngineCore(LLMEngine(cfg))
+    try:
+        reqs = [CoreRequest(request_id=f"p{i}", prompt_token_ids=prompt(i, 9), sampling=greedy(1),
+                            arrival_time=time.monotonic(), kv_transfer_params=KVTransferParams(do_remote_decode=True),
+                            caller="router") for i in range(2)]
+        out = run(core, reqs)
+        assert out["p0"].final.kv_transfer_params.lease_id
+        refused = out["p1"].final
+        assert refused.finish_reason == FinishReason.ERROR and out["p1"].tokens == []
+        assert refused.stop_reason.reason == SchedulerReason.KV_LEASES_EXHAUSTED
+        assert isinstance(refused.stop_reason, SchedulerStop)
+        assert error_status(refused) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        st = core.engine.stats()
+        assert st.kv_leases_active == 1 and st.num_waiting == 0 and st.num_running == 0
+    finally:
+        core.engine.close()

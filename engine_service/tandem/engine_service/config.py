@@ -189,6 +189,11 @@ class KVTransferConfig:
                                  flag="kv-transfer-address")
     lease_seconds: float = _opt(30.0, "how long a producer keeps a prefill's blocks for the decode leg",
                                 flag="kv-lease-seconds")
+    max_leases: int = _opt(512, "most leases a producer holds at once, counting prefill legs that will make one; "
+                           "a prefill leg past it gets RESOURCE_EXHAUSTED", flag="kv-max-leases")
+    max_leases_per_caller: int = _opt(256, "most of those one caller may hold (callers are told apart by their "
+                                      "token and client certificate; without auth all callers are one)",
+                                      flag="kv-max-leases-per-caller")
     transport: str = _opt("tcp", "how a producer's blocks are pulled: tcp (any host, CPU or GPU), cuda_ipc "
                           "(two processes on one host's GPUs) or nixl (NIXL/UCX READs, needs nixl-cu13 on both "
                           "engines); the pull address carries the handshake", flag="kv-transport",
@@ -242,6 +247,8 @@ class KVTransferConfig:
             raise ValueError(f"kv transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.transport!r}")
         if not self.lease_seconds > 0:
             raise ValueError("kv lease seconds must be > 0")
+        if self.max_leases < 1 or self.max_leases_per_caller < 1:
+            raise ValueError("kv max leases (in total and per caller) must be >= 1")
         self.host_port()
         for entry in self.producers or ():
             host, sep, port = entry.rpartition(":")

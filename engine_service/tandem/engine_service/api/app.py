@@ -92,7 +92,7 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
         ]
     )
     health = await add_health(server, SERVICE_NAME)
-    servicer = EngineServicer()
+    servicer = EngineServicer(options.security.access_policy())
     add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Engine"])
     if options.enable_reflection:
         enable_reflection(server, [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name])

@@ -140,9 +140,11 @@ class CoreClient:
         channel: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         deadline: float | None = None,
+        caller: str | None = None,
     ) -> RequestStream:
         """Admits a request. With `channel`, its outputs go to that open channel's queue;
-        `deadline` (time.monotonic()) is when the core stops it (None: never)."""
+        `deadline` (time.monotonic()) is when the core stops it (None: never); `caller` names
+        who sent it (lease caps)."""
         if channel is not None and channel not in self._channels:
             raise UnknownChannelError(channel)
         if self.fatal_error is not None:
@@ -165,7 +167,8 @@ class CoreClient:
             self._channel_members[channel].add(request_id)
         self._send(CoreRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=params,
                                arrival_time=time.monotonic(), channel=channel,
-                               kv_transfer_params=kv_transfer_params, deadline=deadline))
+                               kv_transfer_params=kv_transfer_params, deadline=deadline,
+                               caller=caller))
         return stream
 
     def queue_depth(self) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from tandem.engine_service.api.core_client import (
     UnknownChannelError,
 )
 from tandem.error_text import bounded, echo
+from tandem.security import AccessPolicy
 from tandem.request_scope import RequestScope
 from tandem.grpc_service import reject_malformed
 from tandem.protocol import (
@@ -55,7 +56,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     """Implements Generate / Stream / Utility over a `CoreClient`: translates protobuf into typed
     core messages and the core's per-step outputs back into protobuf."""
 
-    def __init__(self) -> None:
+    def __init__(self, access: AccessPolicy | None = None) -> None:
+        # Who calls (token digest / certificate name): a producer caps leases per caller.
+        self.access = access if access is not None else AccessPolicy()
         # Registered before the server starts (gRPC needs its handlers then); attached to the
         # engine once the model is loaded. Until then every call gets UNAVAILABLE.
         self.engine: CoreClient | None = None
@@ -76,7 +79,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     # -- request admission -------------------------------------------------------------------------
     def _admit(self, request: engine_pb2.EngineRequest, channel: str | None = None, metadata=(),
-               time_remaining: float | None = None):
+               time_remaining: float | None = None, caller: str | None = None):
         if not request.request_id:
             raise InvalidRequest("request_id", "must not be empty")
         if len(request.request_id) > 512:
@@ -93,13 +96,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # (a multiplexed request's Submit call ends long before the request does).
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
         return self.engine.submit(request.request_id, prompt, params, channel=channel, kv_transfer_params=kv_params,
-                                  deadline=deadline)
+                                  deadline=deadline, caller=caller)
 
     async def _start(self, request, context, channel: str | None = None):
         await reject_malformed(request, context)
         await self._require_engine(context)
         try:
-            return self._admit(request, channel, context.invocation_metadata(), context.time_remaining())
+            return self._admit(request, channel, context.invocation_metadata(), context.time_remaining(),
+                               self.access.caller_identity(context))
         except UnknownChannelError:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"channel_id {echo(channel)} is not subscribed")
         except InvalidRequest as exc:
@@ -305,6 +309,7 @@ ERROR_STATUS = {
     SchedulerReason.KV_TRANSFER_REFUSED: grpc.StatusCode.INVALID_ARGUMENT,
     SchedulerReason.KV_PRODUCER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     SchedulerReason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    SchedulerReason.KV_LEASES_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -129,10 +129,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         deadline: float | None = None,
+        caller: str | None = None,
     ) -> Sequence:
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                        arrival_time=arrival_time, kv_transfer_params=kv_transfer_params, deadline=deadline)
-        self.scheduler.add(seq)
+        refused = self.kv.scheduler.reserve_lease(seq, caller) if self.kv is not None else None
+        if refused is not None:  # a prefill leg past the lease caps: ends before it runs
+            self.scheduler.add_refused(seq, refused)
+        else:
+            self.scheduler.add(seq)
         self.counters.prompt_tokens += len(prompt_token_ids)
         return seq
 

@@ -163,7 +163,7 @@ class EngineCore:
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling,
                                     arrival_time=msg.arrival_time, kv_transfer_params=msg.kv_transfer_params,
-                                    deadline=msg.deadline)
+                                    deadline=msg.deadline, caller=msg.caller)
         except Exception as exc:  # invalid after all: report instead of dying
             log.warning("add_request_failed", request_id=msg.request_id, error=str(exc))
             self._outputs.append(RequestOutput(request_id=msg.request_id, finished=True,

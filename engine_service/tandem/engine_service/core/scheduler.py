@@ -159,6 +159,14 @@ class Scheduler:
         self._requests[seq.request_id] = seq
         self._num_deadlines += seq.deadline is not None
 
+    def add_refused(self, seq: Sequence, stop: SchedulerStop) -> None:
+        """Takes a request that must end before it runs (it never waits): the next `schedule`
+        ends it with ERROR `stop`, as it ends a failed load."""
+        if seq.request_id in self._requests:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        self._requests[seq.request_id] = seq
+        self._failed_loads.append((seq, stop))
+
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
 
@@ -167,7 +175,9 @@ class Scheduler:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return None
-        if seq.status == SequenceStatus.WAITING:
+        if any(s is seq for s, _ in self._failed_loads):  # ending anyway: ends as aborted
+            self._failed_loads = [(s, stop) for s, stop in self._failed_loads if s is not seq]
+        elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.LOADING_KV:
             del self.loading[request_id]

@@ -47,6 +47,7 @@ class Lease:
     expiry_unix: float
     secret: str = field(default_factory=new_lease_secret, repr=False)
     prompt_digest: str = ""
+    caller: str | None = None  # who made it (the engine's caller identity; lease caps)
     pins: int = 0
     release_requested: bool = False
 
@@ -68,8 +69,10 @@ class LeaseTable:
     def now(self) -> float:
         return self._clock()
 
-    def grant(self, request_id: str, blocks: LeasedBlocks, ttl_seconds: float, prompt_digest: str = "") -> Lease:
-        lease = Lease(uuid.uuid4().hex, request_id, blocks, self._clock() + ttl_seconds, prompt_digest=prompt_digest)
+    def grant(self, request_id: str, blocks: LeasedBlocks, ttl_seconds: float, prompt_digest: str = "",
+              caller: str | None = None) -> Lease:
+        lease = Lease(uuid.uuid4().hex, request_id, blocks, self._clock() + ttl_seconds, prompt_digest=prompt_digest,
+                      caller=caller)
         with self._lock:
             old = self._by_request.get(request_id)
             if old is not None:  # a reused prefill id: the older lease goes first
@@ -77,6 +80,11 @@ class LeaseTable:
             self._by_id[lease.lease_id] = lease
             self._by_request[request_id] = lease.lease_id
         return lease
+
+    def count_for(self, caller: str | None) -> int:
+        """Live leases made by `caller`."""
+        with self._lock:
+            return sum(1 for lease in self._by_id.values() if lease.caller == caller)
 
     # -- KV server threads -----------------------------------------------------------------------
     def authorize(self, lease_id: str, secret: str) -> bool:

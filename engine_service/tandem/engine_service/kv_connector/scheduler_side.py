@@ -91,6 +91,9 @@ class KVConnectorScheduler:
         self._start: list[LoadSpec] = []
         self._cancel: list[str] = []
         self._release: list[tuple[str, int, str]] = []
+        # Prefill legs admitted to make a lease (request id -> caller), until they end: they
+        # count against the lease caps so a burst cannot overshoot them.
+        self._lease_legs: dict[str, str | None] = {}
 
     # -- consumer ----------------------------------------------------------------------------------
     def needs_load(self, seq: Sequence) -> bool:
@@ -245,9 +248,30 @@ class KVConnectorScheduler:
         return meta
 
     # -- producer ----------------------------------------------------------------------------------
+    def reserve_lease(self, seq: Sequence, caller: str | None) -> SchedulerStop | None:
+        """Admission of a prefill leg that will make a lease (`do_remote_decode` on a producer):
+        None when it fits the caps (`max_leases` in all, `max_leases_per_caller` for `caller`),
+        counting live leases and admitted legs; else why it is refused (kv_leases_exhausted).
+        Other requests always fit."""
+        p = seq.kv_transfer_params
+        if not self.config.is_producer or p is None or not p.do_remote_decode:
+            return None
+        total = len(self.leases) + len(self._lease_legs)
+        if total >= self.config.max_leases:
+            return SchedulerStop(SchedulerReason.KV_LEASES_EXHAUSTED,
+                                 f"this producer holds its most leases ({self.config.max_leases}); retry later")
+        mine = self.leases.count_for(caller) + sum(1 for c in self._lease_legs.values() if c == caller)
+        if mine >= self.config.max_leases_per_caller:
+            return SchedulerStop(SchedulerReason.KV_LEASES_EXHAUSTED,
+                                 f"this caller holds its most leases ({self.config.max_leases_per_caller}); "
+                                 "release or use them, or retry later")
+        self._lease_legs[seq.request_id] = caller
+        return None
+
     def on_request_finished(self, seq: Sequence) -> None:
         """A prefill leg finished: keep its blocks under a lease and put the decode leg's
         parameters on `seq.kv_transfer_params` (idempotent; other requests are untouched)."""
+        caller = self._lease_legs.pop(seq.request_id, None)
         p = seq.kv_transfer_params
         if (not self.config.is_producer or p is None or not p.do_remote_decode or seq.kv_lease_id is not None
                 or seq.finish_reason != FinishReason.LENGTH or not seq.output_token_ids):
@@ -270,7 +294,7 @@ class KVConnectorScheduler:
         seq.block_hashes = []
         seq.state_slot = None
         lease = self.leases.grant(seq.request_id, blocks, self.config.lease_seconds,
-                                  prompt_digest=prompt_digest(seq.prompt_token_ids[:num_tokens]))
+                                  prompt_digest=prompt_digest(seq.prompt_token_ids[:num_tokens]), caller=caller)
         self.counters.leases_granted += 1
         seq.kv_lease_id = lease.lease_id
         n = -(-num_tokens // bs)
@@ -291,6 +315,7 @@ class KVConnectorScheduler:
 
     def release_request(self, request_id: str) -> bool:
         """The prefill request id was aborted: its lease (if any) goes at the next sweep."""
+        self._lease_legs.pop(request_id, None)
         return self.leases.release_request_id(request_id)
 
     def sweep(self) -> int:
