@@ -140,7 +140,9 @@ class Stack:
     """A fake engine and a real frontend, both served on loopback in this event loop."""
 
     def __init__(self, tokenizer, smollm2_dir, security: SecurityOptions | None = None,
-                 pool: tuple[int, int] = (2, 256), engine_cls: type = None, **engine_kw) -> None:
+                 pool: tuple[int, int] = (2, 256), engine_cls: type = None, trust_kv_callers: bool = False,
+                 **engine_kw) -> None:
+        self.trust_kv_callers = trust_kv_callers
         self.pool_size = pool
         self.tokenizer = tokenizer
         self.model_path = str(smollm2_dir)
@@ -153,7 +155,8 @@ class Stack:
         self.pool = EnginePool([engine_addr])
         await self.pool.wait_ready(timeout=10)
         self.ids = RequestIdMap("t")
-        self.servicer = FrontendServicer(self.pool, self.ids, self.metrics, access=self.security.access_policy())
+        self.servicer = FrontendServicer(self.pool, self.ids, self.metrics, access=self.security.access_policy(),
+                                         trust_kv_callers=self.trust_kv_callers)
         builder = RequestBuilder(self.tokenizer, Limits(VOCAB, MAX_LEN, 16), "smol")
         self.servicer.attach(builder, TokenizePool(self.tokenizer, *self.pool_size))
         self.server = grpc.aio.server(interceptors=self.security.server_interceptors())
@@ -418,6 +421,76 @@ def test_a_stream_whose_final_message_came_before_the_deadline_ends_ok(tokenizer
                 assert finish == [C.FINISH_REASON_LENGTH]
             # The engine's deadline came a margin before the client's, every time.
             assert len(s.engine.given) == 5 and all(r < 0.5 - 0.045 for r in s.engine.given), s.engine.given
+
+    run(scenario())
+
+
+class _LeasingEngine(FakeEngine):
+    """A producer stand-in: a request with do_remote_decode ends with a lease of its own after
+    one token; with max_tokens 2 only the choice with seed 0 ends at once, the others after 30 s.
+    Records the leases it made and every ABORT."""
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__(model_path)
+        self.aborts: list[str] = []
+        self.leased: list[str] = []
+
+    async def Stream(self, request, context):
+        rid = request.request_id
+        if request.sampling.max_tokens == 2 and request.sampling.seed != 0:
+            await asyncio.sleep(30)
+        msg = engine_pb2.EngineResponse(request_id=rid, token_ids=[100], finish_reason=C.FINISH_REASON_LENGTH)
+        msg.usage.prompt_tokens = len(request.prompt_token_ids)
+        msg.usage.completion_tokens = 1
+        if request.kv_transfer_params.do_remote_decode:
+            msg.kv_transfer_params.CopyFrom(C.KVTransferParams(do_remote_prefill=True, lease_id=f"lease-{rid}",
+                                                               remote_host="127.0.0.1", remote_port=9))
+            self.leased.append(rid)
+        yield msg
+
+    async def Utility(self, request, context):
+        if request.command == C.UTILITY_COMMAND_ABORT:
+            self.aborts.append(request.request_id)
+            return C.UtilityResponse(command=request.command, result=to_struct({"aborted": request.request_id}))
+        return await super().Utility(request, context)
+
+
+def test_every_lease_of_an_n_choice_call_is_returned_or_released(tokenizer, smollm2_dir):
+    """Issue 19 item 6: n > 1 with do_remote_decode makes one lease per choice. A trusted caller
+    gets every choice's parameters on the final message (before: only the first); a call that
+    ends before its final message releases the leases its finished choices made."""
+
+    def request(n: int, max_tokens: int = 1) -> frontend_pb2.GenerateRequest:
+        req = frontend_pb2.GenerateRequest(prompt="Hello", n=n)
+        req.sampling.max_tokens = max_tokens
+        req.sampling.seed = 0
+        req.kv_transfer_params.do_remote_decode = True
+        return req
+
+    async def scenario():
+        async with Stack(tokenizer, smollm2_dir, engine_cls=_LeasingEngine, trust_kv_callers=True) as s:
+            for stream in (False, True):
+                if stream:
+                    final = [m async for m in s.stub.Stream(request(4), timeout=10)][-1]
+                else:
+                    final = await s.stub.Generate(request(4), timeout=10)
+                leases = {c.index: c.kv_transfer_params.lease_id for c in final.choices if c.kv_transfer_params.lease_id}
+                assert sorted(leases) == [0, 1, 2, 3] and len(set(leases.values())) == 4
+                assert set(leases.values()) == {f"lease-{rid}" for rid in s.engine.leased[-4:]}
+                assert final.kv_transfer_params.lease_id in leases.values()
+            assert s.engine.aborts == []  # returned, so not released
+            # Three choices, seeds 0, 1, 2: only the first ends; cancel the call meanwhile.
+            s.engine.leased.clear()
+            call = s.stub.Stream(request(3, max_tokens=2), timeout=10)
+            first = await call.read()
+            assert [c.finish_reason for c in first.choices] == [C.FINISH_REASON_LENGTH]
+            call.cancel()
+            deadline = time.monotonic() + 5
+            while not s.engine.aborts:
+                assert time.monotonic() < deadline, "the finished choice's lease was never released"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            assert s.engine.aborts == s.engine.leased and len(s.engine.leased) == 1
 
     run(scenario())
 

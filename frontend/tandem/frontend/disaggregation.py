@@ -315,7 +315,13 @@ class TwoLegCall:
     def _release_lease(self) -> None:
         """Utility ABORT of the prefill request id on the producer frees the leased blocks."""
         self._lease_held = False
-        asyncio.ensure_future(_abort_on(self.prefill, self.request.request_id, self.metadata))
+        release_lease(self.prefill, self.request.request_id, self.metadata)
+
+
+def release_lease(replica: EngineReplica, request_id: str, metadata) -> None:
+    """Frees, in the background, the lease a finished prefill request `request_id` holds on
+    `replica` (Utility ABORT of that id; a no-op there when it holds none)."""
+    asyncio.ensure_future(_abort_on(replica, request_id, metadata))
 
 
 async def _abort_on(replica: EngineReplica, request_id: str, metadata) -> None:

@@ -24,7 +24,7 @@ import structlog
 
 from tandem.frontend.abort_relay import AbortRelay, relayed_caller
 from tandem.frontend.choice_state import ChoiceState
-from tandem.frontend.disaggregation import DisaggregatedPools, LegFailed, TwoLegCall
+from tandem.frontend.disaggregation import DisaggregatedPools, LegFailed, TwoLegCall, release_lease
 from tandem.frontend.engine_pool import EnginePool, EngineReplica, NoEngineAvailable
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.frontend.observe import RequestObservation
@@ -370,6 +370,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
 
         pumps = [asyncio.ensure_future(pump(i)) for i in range(len(calls))]
         first_token_time: float | None = None
+        leases_returned = False  # the final message carried every choice's lease to a trusted caller
         try:
             while open_choices:
                 i, resp, error = await queue.get()
@@ -417,6 +418,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                     msg.choices.extend(d for d in deltas if d.text or d.token_ids or d.finish_reason or d.logprobs)
                     if not open_choices:
                         self._fill_final(msg, prepared, choices, arrival, first_token_time)
+                        leases_returned = self.trust_kv_callers
                     if msg.choices or not open_choices:
                         yield msg
             if not stream:
@@ -431,6 +433,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 self._fill_final(msg, prepared, choices, arrival, first_token_time)
                 if prepared.want_logprobs:
                     self._attach_logprobs(msg, choices)
+                leases_returned = self.trust_kv_callers
                 yield msg
         finally:
             active.end_choices = lambda: 0  # every choice has ended: a late ABORT ends none
@@ -439,6 +442,13 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 call.cancel()
             for p in pumps:
                 p.cancel()
+            if not leases_returned and self.disaggregated is None:
+                # Leases the caller will never see (the call ended early, or the caller may not
+                # see them): released now, not left to expire holding blocks and slots. (With
+                # disaggregated pools each TwoLegCall owns its choice's lease.)
+                for c, er in zip(choices, prepared.engine_requests):
+                    if c.kv_transfer_params is not None and c.kv_transfer_params.lease_id:
+                        release_lease(replica, er.request_id, metadata)
 
     def _open_call(self, active: ActiveRequest, prepared: PreparedRequest, er, deadline, metadata):
         """One choice's engine call: a Stream / mux call on the request's replica, or (with
@@ -494,6 +504,14 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         returned = next((c.kv_transfer_params for c in choices if c.kv_transfer_params is not None), None)
         if returned is None:
             returned = prepared.kv_transfer_params
+        if self.trust_kv_callers:
+            # Each choice's own parameters (n > 1: one lease per choice), all on the final message.
+            for c in choices:
+                if c.kv_transfer_params is not None:
+                    entry = next((d for d in msg.choices if d.index == c.index), None)
+                    if entry is None:
+                        entry = msg.choices.add(index=c.index)
+                    entry.kv_transfer_params.CopyFrom(c.kv_transfer_params)
         if returned is not None and not self.trust_kv_callers:
             returned = public_kv_params(returned)  # no pull address, lease, secret or block ids
         if returned is not None:
