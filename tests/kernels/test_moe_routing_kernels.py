@@ -124,3 +124,17 @@ def test_gpu_check_routing_section_on_cpu(monkeypatch) -> None:
         for label, out, ref in case.compare():
             assert not out.float().isnan().any(), (case.name, label)
             assert gpu_check._rel_err(out, ref) <= gpu_check.TOLERANCE, (case.name, label)
+
+
+def test_batches_past_one_tile_route_then_lay_out(monkeypatch) -> None:
+    """More tokens than one routing tile holds: a routing launch over several programs, then the
+    layout launch; same results as the twin."""
+    monkeypatch.setattr(moe_routing, "_TILE_ELEMENTS", 64)  # 4 rows of 16 experts a tile
+    n, e, k = 23, 16, 3
+    logits = _logits(n, e, torch.bfloat16, seed=17)
+    weights, ids, layout = moe_routing.route_experts(logits, k, True, torch.bfloat16)
+    ref_w, ref_ids, _ = moe_routing.reference(logits, k, True, torch.bfloat16)
+    _assert_same_routing(logits, k, weights, ids, ref_w, ref_ids)
+    assert layout is not None
+    pairs, blocks = align_pairs_by_expert(ids, e, layout.block_m)
+    assert torch.equal(layout.sorted_pairs, pairs) and torch.equal(layout.block_expert, blocks)

@@ -16,14 +16,18 @@ time plus a gap. Here:
    (``exp(x - max) / sum``), then ``k`` rounds of "largest probability, lowest expert index among
    equals" (the descending order ``torch.topk`` returns), the chosen weights divided by their sum
    when ``renormalize``, rounded to ``weight_dtype`` and back.
-2. Layout, when ``N·k`` is at most ``ALIGN_MAX_PAIRS`` (decode steps): the launch is a single
-   program that, after routing every token, counts the pairs per expert (a histogram), pads each
+2. Layout, when ``N·k`` is at most ``ALIGN_MAX_PAIRS`` (decode steps): a single program that,
+   after every token is routed, counts the pairs per expert (a histogram), pads each
    expert's run to ``block_m`` rows, writes ``block_expert`` (the expert of each row block, -1
    past the last run) and places each pair at its expert's next free row in pair order (a stable
    sort, as ``align_pairs_by_expert``'s ``argsort(stable=True)``). Its state (the next free row of
    each expert) lives in a small scratch buffer that the program's threads share through global
-   memory between barriers. No host sync, static shapes: a CUDA graph captures it.
-   Larger batches (prefill) route with one program per ``BLOCK_T`` rows and leave the layout to
+   memory between barriers. No host sync, static shapes: a CUDA graph captures it. When every
+   token fits one routing tile (``N·E`` up to ``_TILE_ELEMENTS``: batch 1 to 32 at 128 experts,
+   1 to 8 at 512) that program also routes them: one launch in all. A larger decode batch routes
+   with one program per tile first and lays out in a second launch (one program routing 256
+   tokens over 512 experts took 400 µs on an H200, against 132 µs for the PyTorch ops).
+   Larger batches still (prefill) route with one program per tile and leave the layout to
    ``align_pairs_by_expert``, whose sort is then cheap next to the expert GEMMs.
 
 ``reference`` is the PyTorch twin (``select_experts``, the rounding, ``align_pairs_by_expert``).
@@ -98,6 +102,7 @@ def _route_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROUTE: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -107,7 +112,7 @@ def _route_kernel(
     expert_ok = experts < num_experts
     slots = tl.arange(0, BLOCK_K)
     # ---- 1. routing: rows pid*BLOCK_T, then every num_programs*BLOCK_T further
-    for t0 in range(tl.program_id(0) * BLOCK_T, n_tokens, tl.num_programs(0) * BLOCK_T):
+    for t0 in range(tl.program_id(0) * BLOCK_T, n_tokens if ROUTE else 0, tl.num_programs(0) * BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         row_ok = rows < n_tokens
         x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + experts[None, :],
@@ -131,7 +136,7 @@ def _route_kernel(
         out_ok = row_ok[:, None] & (slots < TOP_K)[None, :]
         tl.store(weights_ptr + out, chosen_w, mask=out_ok)
         tl.store(ids_ptr + out, chosen_e, mask=out_ok)
-    if ALIGN:  # a single program: every token's ids were stored above
+    if ALIGN:  # a single program: every token's ids were stored above, or by the previous launch
         num_pairs = n_tokens * TOP_K
         tl.debug_barrier()
         # ---- 2. pairs per expert, each run padded to BLOCK_M rows
@@ -203,15 +208,23 @@ def route_experts(
         sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
         block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=device)
         cursor = torch.empty(block_e, dtype=torch.int32, device=device)
-        grid: tuple[int] = (1,)
     else:
         sorted_pairs = block_expert = cursor = ids  # placeholders, never touched
-        grid = (cdiv(n, block_t),)
-    launcher[grid](
-        router_logits, weights, ids, sorted_pairs, block_expert, cursor, n, e,
-        block_expert.shape[0] if align else 0, router_logits.stride(0),
-        TOP_K=top_k, RENORM=renormalize, WEIGHT_DTYPE=weight_tl, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=next_power_of_2(top_k), ALIGN=align, BLOCK_M=block_m, BLOCK_P=32, BLOCK_B=64,
-        num_warps=8 if block_e >= 512 else 4,
-    )
+    one_launch = align and n <= block_t
+
+    def launch(grid: tuple[int], route: bool, lay_out: bool) -> None:
+        launcher[grid](
+            router_logits, weights, ids, sorted_pairs, block_expert, cursor, n, e,
+            block_expert.shape[0] if lay_out else 0, router_logits.stride(0),
+            TOP_K=top_k, RENORM=renormalize, WEIGHT_DTYPE=weight_tl, BLOCK_T=block_t, BLOCK_E=block_e,
+            BLOCK_K=next_power_of_2(top_k), ROUTE=route, ALIGN=lay_out, BLOCK_M=block_m, BLOCK_P=32, BLOCK_B=64,
+            num_warps=8 if block_e >= 512 else 4,
+        )
+
+    if one_launch:
+        launch((1,), True, True)
+    else:
+        launch((cdiv(n, block_t),), True, False)
+        if align:
+            launch((1,), False, True)
     return weights, ids, PairLayout(sorted_pairs, block_expert, block_m) if align else None
