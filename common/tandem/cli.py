@@ -45,7 +45,9 @@ SERVE_PARENT_ENV = "TANDEM_SERVE_PARENT_PID"
 
 
 def _engine_config(args):
-    return options.engine_config_from_args(args)
+    from tandem.engine_service.config_flags import engine_config_from_args
+
+    return engine_config_from_args(args)
 
 
 def _engine_flags(args) -> list[str]:
@@ -535,8 +537,10 @@ def build_parser() -> argparse.ArgumentParser:
     with_engine = engine_installed()
 
     if with_engine:
+        from tandem.engine_service.config_flags import add_engine_flags
+
         serve = sub.add_parser("serve", help="engine + frontend together")
-        options.add_engine_flags(serve)
+        add_engine_flags(serve)
         options.add_flags(serve, ServerArgs, title="frontend server")
         options.add_flags(serve, FrontendServingArgs, {"engine_transport": "mux"}, title="frontend")
         options.add_flags(serve, ServeArgs, {"frontend_workers": "auto"}, title="engine child and frontend workers")
@@ -547,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve.set_defaults(fn=cmd_serve)
 
         engine = sub.add_parser("engine", help="the engine service alone")
-        options.add_engine_flags(engine)
+        add_engine_flags(engine)
         options.add_flags(engine, EngineServerArgs, title="engine server")
         options.add_flags(engine, MetricsArgs, title="metrics")
         options.add_flags(engine, EngineCoreArgs, title="engine core")

@@ -215,23 +215,6 @@ def to_argv(obj) -> list[str]:
 # -- engine configuration -----------------------------------------------------------------------------
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None) -> None:
-    """The model, cache and scheduler flags of `tandem serve|engine|bench` (from EngineConfig)."""
-    from tandem.engine_service.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig
-
-    group = parser.add_argument_group("model and engine")
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig):
-        add_flags(group, cls, defaults)
-
-
-def engine_config_from_args(args: argparse.Namespace):
-    """The validated-later `EngineConfig` of parsed `add_engine_flags` arguments."""
-    from tandem.engine_service.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
-
-    return EngineConfig(from_args(ModelConfig, args), from_args(CacheConfig, args), from_args(SchedulerConfig, args),
-                        from_args(KVTransferConfig, args))
-
-
 def engine_argv(config) -> list[str]:
     """The flags that reproduce `config` in a `tandem engine` child process."""
     return to_argv(config.model) + to_argv(config.cache) + to_argv(config.scheduler) + to_argv(config.kv_transfer)

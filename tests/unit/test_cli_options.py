@@ -15,6 +15,7 @@ import pytest
 from tandem import options
 from tandem.cli import build_parser
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine_service.config_flags import engine_config_from_args
 
 
 def _all_parsers(parser: argparse.ArgumentParser, path: str = "tandem"):
@@ -103,13 +104,13 @@ def test_serve_passes_its_engine_configuration_to_the_child_unchanged():
             "--num-kv-blocks", "40", "--cpu-kv-cache-gb", "0.25", "--no-prefix-caching", "--enforce-eager",
             "--max-num-seqs", "3", "--overlap-scheduling", "off", "--generation-config", "none", "--seed", "5"]
     serve = options.parse_args(build_parser(), argv, environ={})
-    config = options.engine_config_from_args(serve)
+    config = engine_config_from_args(serve)
     child = options.parse_args(build_parser(), ["engine", *options.engine_argv(config)], environ={})
-    assert options.engine_config_from_args(child) == config
+    assert engine_config_from_args(child) == config
     assert config.cache.cpu_kv_cache_bytes == 1 << 28 and config.cache.enable_prefix_caching is False
     assert config.model.generation_config == "none" and config.scheduler.max_num_seqs == 3
     # and the defaults of the flags are the dataclasses' defaults (one source)
-    defaults = options.engine_config_from_args(options.parse_args(build_parser(), ["engine"], environ={}))
+    defaults = engine_config_from_args(options.parse_args(build_parser(), ["engine"], environ={}))
     assert defaults == EngineConfig(ModelConfig(), CacheConfig(), SchedulerConfig())
 
 
@@ -124,11 +125,11 @@ def test_every_user_settable_engine_field_is_a_flag():
 def test_benchmarks_build_their_engine_from_the_same_fields():
     args = options.parse_args(build_parser(), ["bench", "throughput", "--max-num-seqs", "8", "--block-size", "32"],
                               environ={})
-    config = options.engine_config_from_args(args)
+    config = engine_config_from_args(args)
     assert config.scheduler.max_num_seqs == 8 and config.cache.block_size == 32
     assert config.model.model.startswith("dummy:")  # the benchmark's own default model
     env_args = options.parse_args(build_parser(), ["bench", "serve"], environ={"TANDEM_MAX_NUM_BATCHED_TOKENS": "512"})
-    assert options.engine_config_from_args(env_args).scheduler.max_num_batched_tokens == 512
+    assert engine_config_from_args(env_args).scheduler.max_num_batched_tokens == 512
 
 
 def test_operations_doc_flag_tables_match_the_parser():

@@ -16,7 +16,8 @@ from typing import Any
 
 from tandem.bench.results import DEFAULT_RESULTS_DIR
 from tandem.cli_options import EngineCoreArgs, workers_count
-from tandem.options import add_flags, engine_argv, engine_config_from_args
+from tandem.engine_service.config_flags import engine_config_from_args
+from tandem.options import add_flags, engine_argv
 
 _CONFIG_SKIP = {"fn", "bench_fn", "command", "bench_command"}
 
@@ -98,7 +99,7 @@ def _key_value(text: str) -> tuple[str, Any]:
 
 
 def _common(p: argparse.ArgumentParser, model: str, max_seconds: float) -> None:
-    from tandem.options import add_engine_flags
+    from tandem.engine_service.config_flags import add_engine_flags
 
     # The engine flags `tandem serve` takes (one declaration: tandem/engine_service/config.py).
     add_engine_flags(p)
