@@ -200,10 +200,17 @@ def server_tools():
     return SimpleNamespace(ServerProcess=ServerProcess, free_port=free_port, wait_serving=wait_serving)
 
 
-def make_hf_checkpoint(tmp_path: Path, dummy_name: str, **overrides):
+# Model types whose RMSNorm scales are zero-centred (the weight is w in x * (1 + w)).
+ZERO_CENTRED_NORMS = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
+
+
+def make_hf_checkpoint(tmp_path: Path, dummy_name: str, seed: int = 1234, router_std: float | None = None,
+                       **overrides):
     """A seeded Hugging Face model of the dummy config `dummy_name` (with `overrides`) saved with
     save_pretrained; every parameter randomised (norm scales and biases too, so a weight that
-    fails to load changes the logits). Returns (the transformers model, its directory)."""
+    fails to load changes the logits). Hybrids get slow decays (A in (0.05, 1)) so the recurrent
+    state matters over long prefixes; `router_std` makes an MoE router decisive (top-k choices far
+    from ties). Returns (the transformers model, its directory)."""
     import torch
     import transformers
 
@@ -214,17 +221,30 @@ def make_hf_checkpoint(tmp_path: Path, dummy_name: str, **overrides):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+        "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
     }
     cfg = get_dummy_config(dummy_name) | overrides
     config_cls, model_cls = classes[cfg["model_type"]]
-    torch.manual_seed(1234)
+    zero_centred = cfg["model_type"] in ZERO_CENTRED_NORMS
+    torch.manual_seed(seed)
     hf = model_cls(config_cls(**cfg)).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if "norm" in name:
+            if name.endswith("linear_attn.norm.weight"):  # the gated norm's plain scale
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "norm" in name:
+                p.normal_(0.0, 0.2) if zero_centred else p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("A_log"):  # decays exp(-A * softplus(.)) with A in (0.05, 1): long memory
+                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
             elif "embed_tokens" in name:
                 p.normal_(0.0, 1.0)
+            elif "conv1d" in name:
+                p.normal_(0.0, 0.4)
+            elif router_std is not None and name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, router_std)
             else:
                 p.normal_(0.0, 0.1)
     path = tmp_path / dummy_name

@@ -43,40 +43,6 @@ BLOCK = (128, 128)
 FAMILIES = ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-next"]
 
 
-def make_hf(directory: Path, dummy_name: str) -> Path:
-    """transformers' model of the dummy config, every parameter randomised, saved (float32)."""
-    import transformers
-
-    classes = {
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
-    }
-    cfg = get_dummy_config(dummy_name)
-    config_cls, model_cls = classes[cfg["model_type"]]
-    torch.manual_seed(2468)
-    hf = model_cls(config_cls(**cfg)).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):  # a plain scale
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "norm" in name:  # Qwen3-Next's are zero-centred (1 + w): small either way
-                p.copy_((0.0 if cfg["model_type"] == "qwen3_next" else 1.0) + 0.2 * torch.randn_like(p))
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            elif "conv1d" in name:
-                p.normal_(0.0, 0.4)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)  # a decisive router: top-k choices far from ties
-            else:
-                p.normal_(0.0, 0.1)
-    path = directory / "float"
-    hf.save_pretrained(path)
-    return path
-
-
 def is_projection(name: str, tensor: torch.Tensor) -> bool:
     """What the published checkpoints store in FP8: the projections, not embeddings, norms,
     routers (`mlp.gate`, `shared_expert_gate`) or the small `in_proj_ba`."""
@@ -118,12 +84,12 @@ def one_thread():
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
+def checkpoint(request, tmp_path_factory, hf_checkpoint) -> tuple[str, torch.nn.Module, Path]:
     """`(family, transformers on the dequantized weights, FP8 checkpoint directory)`."""
     import transformers
 
     root = tmp_path_factory.mktemp(request.param)
-    source = make_hf(root, request.param)
+    _, source = hf_checkpoint(root, request.param, seed=2468, router_std=0.5)
     write_fp8(source, root / "fp8", BLOCK, root / "dequantized")
     hf = transformers.AutoModelForCausalLM.from_pretrained(root / "dequantized", dtype=torch.float32).eval()
     return request.param, hf, root / "fp8"
@@ -231,11 +197,11 @@ def test_quantization_none_dequantizes_on_load(checkpoint) -> None:
     assert_matches(hf, PROMPTS[2], tokens[0], logprobs[0], steps=8)
 
 
-def test_per_channel_checkpoint(tmp_path) -> None:
+def test_per_channel_checkpoint(tmp_path, hf_checkpoint) -> None:
     """Scales per output row (`weight_block_size` null, `[N, 1]` scales) load and match."""
     import transformers
 
-    source = make_hf(tmp_path, "tiny-qwen3")
+    _, source = hf_checkpoint(tmp_path, "tiny-qwen3", seed=2468, router_std=0.5)
     write_fp8(source, tmp_path / "fp8", None, tmp_path / "dequantized")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dequantized", dtype=torch.float32).eval()
     model = build_model(resolve_model(str(tmp_path / "fp8")), "cpu", torch.float32)
@@ -245,13 +211,13 @@ def test_per_channel_checkpoint(tmp_path) -> None:
     assert_matches(hf, PROMPTS[0], tokens[0], logprobs[0])
 
 
-def test_quantize_on_load_matches_a_quantized_checkpoint(tmp_path) -> None:
+def test_quantize_on_load_matches_a_quantized_checkpoint(tmp_path, hf_checkpoint) -> None:
     """`--quantization fp8` on a float checkpoint holds the same layers in FP8 as the checkpoint
     quantized offline (the LM head and the routers stay exact), with the same bytes and scales
     where the blocks agree. The stacked experts (tiny: a projection is less than a 128-row
     block) are quantized in one-row blocks on load, finer than the offline 128-row ones: there
     both must dequantize to the float weights within e4m3's precision."""
-    source = make_hf(tmp_path, "tiny-qwen3-moe")
+    _, source = hf_checkpoint(tmp_path, "tiny-qwen3-moe", seed=2468, router_std=0.5)
     write_fp8(source, tmp_path / "fp8", BLOCK)
     on_load_model = build_model(resolve_model(str(source)), "cpu", torch.float32, quantization="fp8")
     on_load = dict(on_load_model.named_parameters())

@@ -35,40 +35,6 @@ ATOL = 2e-4
 FAMILIES = ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-qwen3.5-moe"]
 
 
-def make_hf_hybrid(tmp_path: Path, dummy_name: str) -> tuple[torch.nn.Module, Path]:
-    """A seeded transformers model of the dummy config, every parameter randomised, saved."""
-    import transformers
-
-    from tandem.engine_service.dummy_configs import get_dummy_config
-
-    classes = {
-        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
-        "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
-        "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
-    }
-    cfg = get_dummy_config(dummy_name)
-    config_cls, model_cls = classes[cfg["model_type"]]
-    torch.manual_seed(1234)
-    hf = model_cls(config_cls(**cfg)).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):  # a plain scale
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "norm" in name:  # zero-centred scales: (1 + w)
-                p.normal_(0.0, 0.2)
-            elif name.endswith("A_log"):  # decays exp(-A * softplus(.)) with A in (0.05, 1): long memory
-                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            elif "conv1d" in name:
-                p.normal_(0.0, 0.4)
-            else:
-                p.normal_(0.0, 0.1)
-    path = tmp_path / dummy_name
-    hf.save_pretrained(path)
-    return hf, path
-
-
 def prompt(n: int, seed: int, vocab: int = 320) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -86,8 +52,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path]:
-    hf, path = make_hf_hybrid(tmp_path_factory.mktemp(request.param), request.param)
+def checkpoint(request, tmp_path_factory, hf_checkpoint) -> tuple[str, torch.nn.Module, Path]:
+    hf, path = hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     return request.param, hf, path
 
 
@@ -383,12 +349,12 @@ def test_decode_through_graph_buffers_with_state_slots(checkpoint) -> None:
     assert engine.block_manager.state_slots.num_used == 0
 
 
-def test_triton_op_set_matches_transformers(tmp_path: Path) -> None:
+def test_triton_op_set_matches_transformers(tmp_path: Path, hf_checkpoint) -> None:
     """The op set the GPU runs — Triton attention, the Triton GDN kernels (conv1d, chunked and
     recurrent gated delta rule, gated norm), the fused MoE and MLP — interpreted on CPU, for the
     most involved family (packed projections, dense and MoE layers): prefill in 3 chunks, then
     decode, the same greedy tokens as transformers. Short: the interpreter is slow."""
-    hf, path = make_hf_hybrid(tmp_path, "tiny-qwen3-next")
+    hf, path = hf_checkpoint(tmp_path, "tiny-qwen3-next")
     engine = make_engine(path, budget=4, backend="triton")
     assert engine.runner.attention_backend == "triton"
     assert all(layer.linear_attn.fused for layer in engine.runner.model.model.layers if layer.is_linear)

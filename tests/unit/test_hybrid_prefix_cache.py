@@ -544,40 +544,6 @@ LOGPROB_ATOL = 2e-4
 HYBRID_FAMILIES = ["tiny-qwen3.5", "tiny-qwen3-next"]
 
 
-def make_hf_hybrid(tmp_path, dummy_name: str):
-    """A seeded transformers hybrid model of the dummy config, every parameter randomised so the
-    recurrent state matters over long prefixes (slow decays), saved with save_pretrained."""
-    import transformers
-
-    from tandem.engine_service.dummy_configs import get_dummy_config
-
-    classes = {
-        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
-        "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
-    }
-    cfg = get_dummy_config(dummy_name)
-    config_cls, model_cls = classes[cfg["model_type"]]
-    torch.manual_seed(4321)
-    hf = model_cls(config_cls(**cfg)).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "norm" in name:  # zero-centred scales
-                p.normal_(0.0, 0.2)
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            elif "conv1d" in name:
-                p.normal_(0.0, 0.4)
-            else:
-                p.normal_(0.0, 0.1)
-    path = tmp_path / dummy_name
-    hf.save_pretrained(path)
-    return hf, path
-
-
 @pytest.fixture
 def torch_twins(monkeypatch):
     """The GDN kernels' PyTorch twins even under TRITON_INTERPRET=1 (conftest sets it): the
@@ -591,8 +557,8 @@ def torch_twins(monkeypatch):
 
 
 @pytest.fixture(scope="module", params=HYBRID_FAMILIES)
-def hybrid_checkpoint(request, tmp_path_factory):
-    hf, path = make_hf_hybrid(tmp_path_factory.mktemp(request.param), request.param)
+def hybrid_checkpoint(request, tmp_path_factory, hf_checkpoint):
+    hf, path = hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=4321)
     return request.param, hf, path
 
 
