@@ -104,3 +104,23 @@ def test_scale_conversion_to_one_row_blocks() -> None:
     assert (per_channel == 0.25).all()
     with pytest.raises(ValueError, match="do not convert"):
         load_scale_rows(torch.empty(2, 2), (128, 128), 0, 200, 256, torch.ones(200, 1), PER_CHANNEL)
+
+
+def test_gpu_check_fp8_section_on_cpu(monkeypatch) -> None:
+    """`kernel_check`'s FP8 cases, shrunk and interpreted: each kernel against its twin, and the
+    bytes count FP8 weights (one byte each) plus their float32 scales."""
+    from tandem.gpu_checks import kernel_check
+
+    monkeypatch.setitem(kernel_check.QWEN3, "hidden", 64)
+    monkeypatch.setitem(kernel_check.QWEN3, "inter", 48)
+    for key, value in (("experts", 4), ("top_k", 2), ("hidden", 64), ("inter", 32)):
+        monkeypatch.setitem(kernel_check.QWEN3_MOE, key, value)
+    cases = list(kernel_check._fp8_cases(True, torch.device("cpu"), torch.Generator().manual_seed(0)))
+    assert [c.kernel for c in cases] == ["fp8_linear"] * 3 + ["fused_moe_fp8"] * 3
+    for case in cases:
+        case.prepare()
+        case.run()
+        ((_, out, ref),) = case.compare()
+        assert not out.isnan().any() and kernel_check._rel_err(out, ref) <= kernel_check.TOLERANCE
+    linear = cases[0]
+    assert linear.bytes_moved == 96 * 64 + 1 * 1 * 4 + 2 * 1 * (64 + 96) * 2  # weight, one scale block, x and y

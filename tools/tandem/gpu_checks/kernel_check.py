@@ -42,6 +42,7 @@ import torch
 from tandem.kernels import (
     activation,
     causal_conv1d,
+    fp8_gemm,
     fused_moe,
     gated_delta_rule,
     gated_norm,
@@ -515,6 +516,53 @@ def _routing_cases(quick: bool, device: torch.device, gen: torch.Generator) -> I
                    bytes_moved=ba.numel() * ba.element_size() + tokens * 32 * 6)
 
 
+def _fp8_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
+    """W8A16 with 128x128 block scales: `fp8_gemm.fp8_linear` on Qwen3-8B's gate_up projection,
+    and the fused MoE with `MoeFp8Scales` on Qwen3-30B-A3B's experts, each against its twin
+    (weights dequantized, then the bf16 product). Bytes count the FP8 weights and their scales."""
+    block = (128, 128)
+    hd, inter = QWEN3["hidden"], QWEN3["inter"]
+    weight, scale = fp8_gemm.quantize(torch.randn(2 * inter, hd, device=device, generator=gen) * hd**-0.5, block)
+    w_bytes = weight.numel() + scale.numel() * 4
+    for tokens in (1, 64, 4096) if quick else (1, 16, 64, 256, 4096):
+        x = torch.randn(tokens, hd, device=device, dtype=DTYPE, generator=gen)
+        out: dict[str, torch.Tensor] = {}
+
+        def run(x=x, out=out) -> None:
+            out["y"] = fp8_gemm.fp8_linear_triton(x, weight, scale, block)
+
+        def cmp(x=x, out=out):
+            return [("out", out["y"], fp8_gemm.fp8_linear_reference(x, weight, scale, block))]
+
+        yield Case("fp8_linear", f"M={tokens} N={2 * inter} K={hd}", {"tokens": tokens}, run, cmp, out.clear,
+                   bytes_moved=w_bytes + 2 * tokens * (hd + 2 * inter) * x.element_size(),
+                   flops=2 * tokens * hd * 2 * inter)
+    e, k, mhd, minter = (QWEN3_MOE[key] for key in ("experts", "top_k", "hidden", "inter"))
+    w_gate_up, s_gate_up = fp8_gemm.quantize(torch.randn(e, 2 * minter, mhd, device=device, generator=gen) * mhd**-0.5,
+                                             block)
+    w_down, s_down = fp8_gemm.quantize(torch.randn(e, mhd, minter, device=device, generator=gen) * minter**-0.5, block)
+    scales = fused_moe.MoeFp8Scales(s_gate_up, s_down, block)
+    expert_bytes = 3 * mhd * minter + (s_gate_up[0].numel() + s_down[0].numel()) * 4
+    for tokens in (1, 64, 4096) if quick else (1, 64, 256, 4096):
+        x = torch.randn(tokens, mhd, device=device, dtype=DTYPE, generator=gen)
+        weights, ids = fused_moe.select_experts(torch.randn(tokens, e, device=device, generator=gen), k,
+                                                renormalize=True)
+        distinct = int(torch.unique(ids).numel())
+        moe_out: dict[str, torch.Tensor] = {}
+
+        def run_moe(x=x, weights=weights, ids=ids, moe_out=moe_out) -> None:
+            moe_out["y"] = fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids, scales=scales)
+
+        def cmp_moe(x=x, weights=weights, ids=ids, moe_out=moe_out):
+            ref = fused_moe.fused_moe_reference(x, w_gate_up, w_down, weights, ids, scales=scales)
+            return [("out", moe_out["y"], ref)]
+
+        yield Case("fused_moe_fp8", f"N={tokens} E={e} k={k} Hd={mhd} I={minter}",
+                   {"tokens": tokens, "distinct_experts": distinct}, run_moe, cmp_moe, moe_out.clear,
+                   bytes_moved=distinct * expert_bytes + 2 * tokens * mhd * x.element_size(),
+                   flops=2 * tokens * k * 3 * mhd * minter)
+
+
 def _sampling_cases(quick: bool, device: torch.device, gen: torch.Generator) -> Iterator[Case]:
     vocab = QWEN3["vocab"]
     for rows in (1, 32, 256):
@@ -954,7 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator(device=device)
         gen.manual_seed(args.seed)
         families = [_decode_cases, _prefill_cases, _norm_cases, _rotary_cases, _activation_cases,
-                    _moe_cases, _routing_cases, _sampling_cases, _gdn_cases]
+                    _moe_cases, _routing_cases, _fp8_cases, _sampling_cases, _gdn_cases]
         for family in families:
             # A family that lists its kernel names is skipped unbuilt when --only excludes them.
             names = getattr(family, "kernels", None)
