@@ -26,10 +26,11 @@ from tandem.engine_service.layers.merged_linear import MergedColumnLinear  # noq
 from tandem.engine_service.sequence import SamplingParams, Sequence  # noqa: E402
 from tandem.engine_service.worker import loader  # noqa: E402
 from tandem.engine_service.worker.input_batch import build_model_inputs  # noqa: E402
-from tandem.engine_service.worker.loader import ResolvedModel, build_model, resolve_model  # noqa: E402
+from tandem.engine_service.worker.loader import ResolvedModel, build_model, planned_weight_bytes, \
+    resolve_model  # noqa: E402
 from tandem.engine_service.worker.meta_init import materialize, meta_parameters  # noqa: E402
 from tandem.kernels.fp8_gemm import FP8_DTYPE  # noqa: E402
-from tests.unit.test_fp8_checkpoint import make_hf, write_fp8  # noqa: E402
+from tests.unit.test_fp8_checkpoint import write_fp8  # noqa: E402
 
 FAMILIES = ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-next"]
 BLOCK_SIZE = 4
@@ -116,10 +117,10 @@ def test_dummy_weights_match_the_eager_build(family, quantization) -> None:
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def checkpoints(request, tmp_path_factory) -> tuple[Path, Path]:
+def checkpoints(request, tmp_path_factory, hf_checkpoint) -> tuple[Path, Path]:
     """(float checkpoint, the same weights as a block-wise FP8 checkpoint) of a tiny family."""
     root = tmp_path_factory.mktemp(request.param)
-    source = make_hf(root, request.param)
+    _, source = hf_checkpoint(root, request.param, router_std=0.5)
     write_fp8(source, root / "fp8", (128, 128))
     return source, root / "fp8"
 
@@ -206,11 +207,11 @@ def _peak_cpu_bytes(build) -> tuple[int, torch.nn.Module]:
 
 
 def test_peak_memory_is_the_fp8_model() -> None:
-    """A Qwen3-Next-shaped model whose experts dominate (64 of 256 x 512 per layer, ~200 MB in
+    """A Qwen3-Next-shaped model whose experts dominate (16 of 1024 x 512 per layer, ~200 MB in
     bf16) built with FP8 dummy weights: the allocation peak is the FP8 model plus at most a
     tenth of a layer in bf16, while the eager build's peak is at least the whole bf16 model."""
     cfg = get_dummy_config("tiny-qwen3-next") | dict(
-        hidden_size=512, intermediate_size=512, num_experts=64, num_experts_per_tok=4, moe_intermediate_size=256,
+        hidden_size=512, intermediate_size=512, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=1024,
         shared_expert_intermediate_size=256, decoder_sparse_step=1)
     resolved = ResolvedModel(path=None, config=cfg, is_dummy=True)
     peak, model = _peak_cpu_bytes(lambda: build_model(resolved, "cpu", torch.bfloat16, quantization="fp8"))
@@ -224,3 +225,41 @@ def test_peak_memory_is_the_fp8_model() -> None:
     with eager_build():
         eager_peak, _ = _peak_cpu_bytes(lambda: build_model(resolved, "cpu", torch.bfloat16, quantization="fp8"))
     assert eager_peak >= bf16_bytes  # the measurement sees the bf16 model when it is there
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_planned_weight_bytes_are_what_the_build_allocates(family, quantization) -> None:
+    """What the roofline sizes its KV pool by: the parameters' storage as `build_model` allocates
+    it (merged projections once, FP8 weights and scales), counted before anything is allocated."""
+    resolved = resolve_model(f"dummy:{family}")
+    planned = planned_weight_bytes(resolved, "cpu", torch.bfloat16, "triton", quantization)
+    model = build_model(resolved, "cpu", torch.bfloat16, attention_backend="triton", quantization=quantization)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert planned == sum(storages.values())
+
+
+def test_full_qwen3_next_fits_one_h200_in_fp8_only() -> None:
+    """Issue 26: the 48-layer Qwen3-Next-80B-A3B (36 Gated DeltaNet + 12 attention layers) needs
+    more than an H200's 139 GiB in bf16 and about 75 GiB with FP8 projections and experts,
+    leaving room for the KV cache and state slots; the roofline plans its pool from the latter."""
+    resolved = resolve_model("dummy:qwen3-next-80b-a3b-l48")
+    types = resolved.config.get("layer_types") or [
+        "full_attention" if (i + 1) % resolved.config["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(resolved.config["num_hidden_layers"])]
+    assert len(types) == 48 and types.count("full_attention") == 12
+    gib = 2**30
+    bf16 = planned_weight_bytes(resolved, "cpu", torch.bfloat16, "triton", "none")
+    fp8 = planned_weight_bytes(resolved, "cpu", torch.bfloat16, "triton", "fp8")
+    assert bf16 > 139 * gib
+    assert 70 * gib < fp8 < 80 * gib
+    # `bench run_gpu.sh fp8-next`'s KV pool: every point fits beside the FP8 weights, 64 state
+    # slots and the 16 GiB headroom (counted in bf16, not even two blocks would).
+    from tandem.bench.accounting import shape_from_hf_config
+    from tandem.bench.roofline import RooflineOptions, plan_num_blocks
+
+    shape = shape_from_hf_config(resolved.config)
+    options = RooflineOptions(batches=[1, 64], contexts=[1024], prefill_shapes=[(8, 1024)])
+    plan = plan_num_blocks(shape, 2, 16, options, 139 * gib, 4096, num_state_slots=64, weight_bytes=fp8)
+    assert plan["num_blocks"] == plan["needed_blocks"] < plan["fit_blocks"]
+    assert plan_num_blocks(shape, 2, 16, options, 139 * gib, 4096, num_state_slots=64)["fit_blocks"] == 0

@@ -332,21 +332,22 @@ def uniform_window(shape: Any) -> int | None:
 
 
 def plan_num_blocks(shape: Any, dtype_bytes: int, block_size: int, options: RooflineOptions,
-                    free_bytes: int, max_model_len: int, num_state_slots: int = 0) -> dict[str, int]:
+                    free_bytes: int, max_model_len: int, num_state_slots: int = 0,
+                    weight_bytes: int | None = None) -> dict[str, int]:
     """KV blocks to allocate (per paged group): enough for the largest point, at most what memory
-    allows once the weights, the headroom and `num_state_slots` request state slots (plus the
-    scratch slot) are set aside."""
+    allows once the weights (`weight_bytes`; None: every parameter in the model dtype), the
+    headroom and `num_state_slots` request state slots (plus the scratch slot) are set aside."""
     per_block = kv_bytes_per_token(shape, dtype_bytes) * block_size
     contexts = [c for c in options.contexts if c <= max_model_len]
     window = uniform_window(shape)
     need = max([b * live_blocks_per_seq(c, 1, block_size, window)[1] for b in options.batches for c in contexts]
                + [n * -(-L // block_size) for n, L in options.prefill_shapes] + [2])
-    weights = total_params(shape) * dtype_bytes
+    weights = total_params(shape) * dtype_bytes if weight_bytes is None else weight_bytes
     state = (num_state_slots + 1) * state_bytes_per_request(shape, dtype_bytes) if num_state_slots else 0
     budget = free_bytes - weights - state - int(options.headroom_gib * GIB)
     fit = max(budget // per_block, 0)
     return {"needed_blocks": need, "fit_blocks": int(fit), "num_blocks": int(max(min(need, fit), 2)),
-            "bytes_per_block": per_block, "state_pool_bytes": state}
+            "bytes_per_block": per_block, "state_pool_bytes": state, "weight_bytes": int(weights)}
 
 
 # -- the sweep -----------------------------------------------------------------------------------
@@ -354,7 +355,7 @@ def plan_num_blocks(shape: Any, dtype_bytes: int, block_size: int, options: Roof
 
 def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptions, deadline: Deadline) -> None:
     """Fill `record.results` with ceilings, decode points and prefill points (errors recorded)."""
-    from tandem.engine_service.worker.loader import resolve_model
+    from tandem.engine_service.worker.loader import planned_weight_bytes, resolve_model
     from tandem.engine_service.worker.model_runner import ModelRunner, resolve_device
 
     device = require_cuda(resolve_device(engine_config.model.device), "tandem bench roofline")
@@ -385,7 +386,11 @@ def run_roofline(record: BenchRecord, engine_config: Any, options: RooflineOptio
     # state checkpoint slots (and the state slots, one per max_num_seqs, are planned for below).
     engine_config.cache.enable_prefix_caching = False
     slots = engine_config.scheduler.max_num_seqs if state_bytes_per_request(shape, dtype_bytes) else 0
-    plan = plan_num_blocks(shape, dtype_bytes, engine_config.cache.block_size, options, free, max_len, slots)
+    # The weights as they will be built: FP8 layers (`--quantization`) take about half.
+    weights = planned_weight_bytes(resolved, device, dtype, engine_config.model.attention_backend,
+                                   engine_config.model.quantization)
+    plan = plan_num_blocks(shape, dtype_bytes, engine_config.cache.block_size, options, free, max_len, slots,
+                           weights)
     res["kv_plan"] = {**plan, "free_bytes_before_model": free, "device_total_bytes": total,
                       "prefix_caching": "off (fake batches; no state checkpoint slots)"}
     if engine_config.cache.num_blocks is None:  # --num-kv-blocks, when given, wins

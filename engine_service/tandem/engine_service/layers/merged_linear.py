@@ -8,7 +8,8 @@ name, the dummy initialiser and tied weights all work unchanged, and every write
 projection's parameter lands in the merged tensor.
 
 The views stay valid as long as nobody replaces the parameters' storage (`module.to(...)`,
-`param.data = ...`); the engine builds models in place on their device and never does.
+`param.data = ...`); the engine never does once a model is built (`worker/meta_init.py`, which
+gives meta-built models their storage, keeps each view on its merged storage).
 
 `MergedColumnLinear` holds the merged tensors as a module (non-persistent buffers: the
 checkpoint names stay the projections'); `to_fp8` re-merges them as FP8 with merged block scales,

@@ -37,7 +37,7 @@ from tandem.engine_service.layers.linear import default_weight_loader
 from tandem.engine_service.layers.moe import ExpertWeights, per_expert_checkpoint_name
 from tandem.engine_service.layers.norm import RMSNorm
 from tandem.engine_service.models.registry import get_model_class
-from tandem.engine_service.worker.meta_init import materialize, meta_parameters
+from tandem.engine_service.worker.meta_init import materialize, meta_bytes, meta_parameters
 from tandem.engine_service.worker.quantization import CheckpointFp8, quantize_model, read_checkpoint_fp8
 from tandem.kernels.fp8_gemm import FP8_DTYPE
 from tandem.model_spec import DUMMY_PREFIX, EMBEDDED_MODELS, embedded_model_path, is_hub_id, resolve_hub_model
@@ -193,34 +193,57 @@ def build_model(
     attention_backend: str = "auto",
     quantization: str = "auto",
 ) -> nn.Module:
-    """Construct the model on `device` in `dtype` and fill it (checkpoint or seeded dummy).
+    """Construct the model on `device` in `dtype` and fill it (checkpoint or seeded dummy). Its
+    parameters are built on meta and allocated once their layers are FP8 or not, so the device
+    never holds the model in `dtype` when its layers will be FP8 (`_construct_on_meta`).
 
     `attention_backend` (`auto`, `torch`, `triton`) picks the attention implementation and,
     with it, the op set of every layer (see `select_attention_backend`). `quantization`
     (`auto`, `none`, `fp8`) picks the layers that hold FP8 weights (`worker/quantization.py`)."""
     start = time.monotonic()
-    cls = get_model_class(resolved.config)
-    cfg = cls.config_from_hf(resolved.config)
     device = torch.device(device)
-    # Parameters are built on the meta device (buffers for real on `device`), turned into FP8
-    # where asked, and only then given uninitialised storage on the device: the peak is the model
-    # as served, never the whole model in the model dtype; no CPU staging, no init cost.
-    with torch.device(device), _default_dtype(dtype), meta_parameters():
-        model = cls(cfg, select_attention_backend(device, attention_backend))
-    fp8 = None if resolved.is_dummy else read_checkpoint_fp8(resolved.config, _stored_names(resolved.path))
-    block = quantize_model(model, quantization, fp8, getattr(model, "checkpoint_name", None))
+    model, fp8, block = _construct_on_meta(resolved, device, dtype, attention_backend, quantization)
     materialize(model, device)
     if resolved.is_dummy:
         init_dummy_weights(model, seed)
     else:
         assert resolved.path is not None
         load_weights(model, resolved.path, fp8)
+    if device.type == "cuda":
+        # Construction's transient parameters (one at a time, before they move to meta) and the
+        # fill's temporaries leave cached blocks; give them back so the cache planner's reading
+        # of free memory (`cache/memory_plan.py`) counts them.
+        torch.cuda.empty_cache()
     log.info(
-        "model loaded", cls=cls.__name__, dummy=resolved.is_dummy, device=str(device), dtype=str(dtype),
+        "model loaded", cls=type(model).__name__, dummy=resolved.is_dummy, device=str(device), dtype=str(dtype),
         attention=model.attn_backend.name, fp8_block=block,
         seconds=round(time.monotonic() - start, 2),
     )
     return model.eval()
+
+
+def _construct_on_meta(resolved: ResolvedModel, device: torch.device, dtype: torch.dtype, attention_backend: str,
+                       quantization: str) -> tuple[nn.Module, CheckpointFp8 | None, tuple[int, int] | None]:
+    """The model with its parameters on the meta device (buffers for real on `device`) and its
+    layers FP8 where `quantization` asks: `(model, the checkpoint's FP8 layout, FP8 block)`.
+    `build_model` then allocates it (`worker/meta_init.py`), so the peak is the model as served,
+    never the whole model in `dtype`; no CPU staging, no init cost."""
+    cls = get_model_class(resolved.config)
+    cfg = cls.config_from_hf(resolved.config)
+    with torch.device(device), _default_dtype(dtype), meta_parameters():
+        model = cls(cfg, select_attention_backend(device, attention_backend))
+    fp8 = None if resolved.is_dummy else read_checkpoint_fp8(resolved.config, _stored_names(resolved.path))
+    block = quantize_model(model, quantization, fp8, getattr(model, "checkpoint_name", None))
+    return model, fp8, block
+
+
+def planned_weight_bytes(resolved: ResolvedModel, device: torch.device | str, dtype: torch.dtype,
+                         attention_backend: str = "auto", quantization: str = "auto") -> int:
+    """Device bytes of the parameters `build_model` with the same arguments allocates (FP8
+    weights and their scales included; shared storage once), counted on meta: the device holds
+    only one parameter at a time, transiently, while the model is constructed."""
+    model, _, _ = _construct_on_meta(resolved, torch.device(device), dtype, attention_backend, quantization)
+    return meta_bytes(model)
 
 
 def _stored_names(path: str | None) -> list[str]:

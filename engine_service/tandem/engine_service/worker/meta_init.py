@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["materialize", "meta_parameters"]
+__all__ = ["materialize", "meta_bytes", "meta_parameters"]
 
 _META = torch.device("meta")
 
@@ -66,6 +66,20 @@ def _meta_tensors(model: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
+def _storage_groups(model: nn.Module) -> list[list[torch.Tensor]]:
+    """The meta tensors of `model` grouped by the storage they share, found while every meta
+    storage is alive (a storage's address is its key)."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for t in _meta_tensors(model):
+        groups.setdefault(t.untyped_storage()._cdata, []).append(t)
+    return list(groups.values())
+
+
+def meta_bytes(model: nn.Module) -> int:
+    """Bytes `materialize(model, ...)` would allocate: each meta storage once."""
+    return sum(members[0].untyped_storage().nbytes() for members in _storage_groups(model))
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device | str) -> None:
     """Give every meta parameter and buffer of `model` uninitialised storage on `device`, keeping
@@ -73,12 +87,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     remains reachable from a module attribute afterwards (an alias the model keeps outside its
     parameters and buffers, which this cannot re-point)."""
     device = torch.device(device)
-    tensors = _meta_tensors(model)
-    # Group by storage first, while every meta storage is alive (a storage's address is its key).
-    groups: dict[int, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.untyped_storage()._cdata, []).append(t)
-    for members in groups.values():
+    for members in _storage_groups(model):
         nbytes = members[0].untyped_storage().nbytes()
         storage = torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
         for t in members:
@@ -88,7 +97,6 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
             attrs = t.__dict__
             torch.utils.swap_tensors(t, real)  # t now holds the real tensor; `real` the meta one
             t.__dict__.update(attrs)
-    del tensors, groups
     if _meta_tensors(model):
         raise RuntimeError("a parameter or buffer is still on the meta device")
     for name, module in model.named_modules():
