@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 for part in "$@"; do
   echo "=== $part ($(date -u +%T))"
   case "$part" in
-    kernels) timeout 150 $PY -m tandem.gpu_checks.kernel_check --out "$OUT" ;;
+    kernels) timeout 200 $PY -m tandem.gpu_checks.kernel_check --out "$OUT" ;;
     parity) timeout 200 $PY -m tandem.gpu_checks.model_parity --out "$OUT" ;;
     # Windowed layers (two paged cache groups): reference vs Triton eager vs Triton graphs.
     parity-sw) timeout 200 $PY -m tandem.gpu_checks.model_parity --model dummy:qwen3-0.6b-sw64 --out "$OUT/parity-sw" ;;
