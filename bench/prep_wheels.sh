@@ -14,4 +14,7 @@ for pkg in msgspec pyzmq; do
     --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl "$pkg==$version"
 done
+# The commit the GPU machine runs (its own .git copy can be a stale snapshot): run_gpu.sh exports it
+# as TANDEM_GIT_COMMIT, which every result records.
+echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!bench/results' || echo -dirty)" > .whl/COMMIT
 ls .whl

@@ -13,6 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 # The carried wheels, then each distribution's source root (namespace package `tandem`, PEP 420).
 export PYTHONPATH=/tmp/site:$PWD/protos:$PWD/common:$PWD/frontend:$PWD/kernels:$PWD/engine_service:$PWD/tools
 python3 -c "import msgspec, zmq, structlog" || { echo "a wheel is missing from .whl: run bench/prep_wheels.sh on the dev machine"; exit 1; }
+[ -f .whl/COMMIT ] && export TANDEM_GIT_COMMIT=$(cat .whl/COMMIT)
 PY="python3 -P"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 for part in "$@"; do
