@@ -71,7 +71,10 @@ def device_cell(env: dict[str, Any]) -> str:
 
 
 def model_cell(data: dict[str, Any]) -> str:
-    return f"`{data.get('model', '?')}`"
+    """The model, and its weight format where it is not the checkpoint's own (`--quantization fp8`)."""
+    quantization = (data.get("config") or {}).get("quantization")
+    suffix = f" ({quantization})" if quantization not in (None, "auto", "none") else ""
+    return f"`{data.get('model', '?')}`{suffix}"
 
 
 def _status_cell(point: dict[str, Any]) -> str:
