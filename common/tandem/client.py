@@ -13,7 +13,7 @@ from typing import Iterator
 import grpc
 from google.protobuf import json_format
 
-from tandem.protocol import kv_transfer_from_dict, kv_transfer_to_proto
+from tandem.proto_wire import kv_transfer_from_dict, kv_transfer_to_proto
 from tandem.readiness import stderr_progress, wait_until_ready
 from tandem.security import SecurityOptions
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc

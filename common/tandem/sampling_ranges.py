@@ -1,7 +1,7 @@
 """The accepted range of every numeric sampling field, written once (no torch, no protobuf).
 
 Three readers check values against this table: the wire validation of both services
-(`tandem.protocol.sampling_from_proto`, which the frontend runs to fail fast and the engine runs
+(`tandem.proto_wire.sampling_from_proto`, which the frontend runs to fail fast and the engine runs
 as the authority), and the model's sampling defaults (`tandem.generation_defaults`, which must
 hold only values a request could send). A range here is what docs/api.md documents.
 

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client import TandemClient, build_request
-from tandem.protocol import to_struct
+from tandem.proto_wire import to_struct
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2
 
 ENGINE_SERVICE = "tandem.v1.Engine"

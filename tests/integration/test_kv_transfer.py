@@ -455,7 +455,7 @@ def test_two_engine_processes_over_grpc(tmp_path, reference):
     import grpc
     from google.protobuf import json_format
 
-    from tandem.protocol import kv_transfer_from_proto, kv_transfer_to_proto
+    from tandem.proto_wire import kv_transfer_from_proto, kv_transfer_to_proto
     from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
     producer, paddr = _engine_process(tmp_path, "producer", ["--kv-engine-id", "prefill-0"])

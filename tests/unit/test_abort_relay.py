@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from tandem.frontend.abort_relay import RELAYED_ADMIN, RELAYED_CALLER, AbortRelay, relayed_caller, socket_address
-from tandem.protocol import to_struct
+from tandem.proto_wire import to_struct
 from tandem.v1 import common_pb2, frontend_pb2_grpc
 
 

@@ -35,7 +35,7 @@ from tandem.core_protocol import (
 TORCH_FREE_MODULES = [
     "tandem.frontend.server",  # the frontend (acceptance: importing it never imports torch)
     "tandem.frontend.app",
-    "tandem.protocol",
+    "tandem.proto_wire",
     "tandem.core_protocol",
     "tandem.engine_service.api.server",  # the gRPC side of the engine service
     "tandem.engine_service.api.app",

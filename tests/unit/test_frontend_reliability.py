@@ -26,7 +26,7 @@ from tandem.frontend.tokenize_pool import TokenizePool
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.grpc_service import add_service
 from tandem.health import add_health
-from tandem.protocol import Limits, to_struct
+from tandem.proto_wire import Limits, to_struct
 from tandem.security import SecurityOptions
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 

@@ -14,7 +14,7 @@ from tandem.generation_defaults import (
     load_generation_defaults,
     read_generation_config,
 )
-from tandem.protocol import InvalidRequest, Limits, sampling_from_proto
+from tandem.proto_wire import InvalidRequest, Limits, sampling_from_proto
 from tandem.v1 import common_pb2
 
 

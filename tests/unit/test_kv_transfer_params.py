@@ -8,7 +8,7 @@ import pytest
 from google.protobuf import json_format
 
 from tandem.core_protocol import KVTransferParams
-from tandem.protocol import (
+from tandem.proto_wire import (
     KV_TRANSFER_HEADER,
     MAX_KV_TRANSFER_PARAMS_BYTES,
     InvalidRequest,
@@ -209,7 +209,7 @@ def test_the_header_accepts_the_producer_parameters_as_protobuf_prints_them():
 def test_only_extra_is_public():
     """What a frontend shows a caller it does not trust: extra, never a pull address, lease,
     secret or block ids; and what it refuses from one: anything besides extra."""
-    from tandem.protocol import kv_params_steer, public_kv_params
+    from tandem.proto_wire import kv_params_steer, public_kv_params
 
     full = kv_transfer_to_proto(KVTransferParams(do_remote_prefill=True, remote_host="10.0.0.2", remote_port=6000,
                                                  lease_id="L", lease_secret="S", remote_block_ids=[1],

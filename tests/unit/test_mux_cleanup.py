@@ -13,7 +13,7 @@ from tandem.engine_service.core.engine import StepOutput
 from tandem.engine_service.sequence import FinishReason
 from tandem.engine_service.api.server import EngineServicer
 from tandem.frontend.engine_mux import MuxChannel
-from tandem.protocol import Limits
+from tandem.proto_wire import Limits
 from tandem.v1 import common_pb2, engine_pb2
 
 
@@ -125,8 +125,19 @@ class _Aborted(Exception):
 
 
 class _Context:
+    """The parts of a grpc.aio servicer context the engine servicer reads (no deadline set)."""
+
     def invocation_metadata(self):
         return ()
+
+    def time_remaining(self):
+        return None
+
+    def peer(self):
+        return "ipv4:127.0.0.1:1"
+
+    def auth_context(self):
+        return {}
 
     def set_trailing_metadata(self, md):
         pass

@@ -1,4 +1,4 @@
-"""`tandem.protocol`'s request validation at every documented bound (docs/api.md), with the whole
+"""`tandem.proto_wire`'s request validation at every documented bound (docs/api.md), with the whole
 message a client sees. Found by mutation testing (docs/testing.md): the limits are written here
 as literal numbers, as documented, so a changed constant in the code fails too."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 
 from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
-from tandem.protocol import (
+from tandem.proto_wire import (
     FINISH_TO_PROTO,
     InvalidRequest,
     Limits,

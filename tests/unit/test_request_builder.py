@@ -9,7 +9,7 @@ import pytest
 from tandem.frontend.app import engine_default_max_tokens
 from tandem.frontend.request_builder import PreparedRequest, RequestBuilder
 from tandem.frontend.tokenizer import TextTokenizer
-from tandem.protocol import InvalidRequest, Limits
+from tandem.proto_wire import InvalidRequest, Limits
 from tandem.v1 import common_pb2, engine_pb2, frontend_pb2
 
 LIMITS = Limits(vocab_size=49152, max_model_len=64, default_max_tokens=8)

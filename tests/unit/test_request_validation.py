@@ -15,7 +15,7 @@ from tandem.frontend.request_builder import (
     RequestBuilder,
 )
 from tandem.frontend.tokenizer import TextTokenizer
-from tandem.protocol import (
+from tandem.proto_wire import (
     MAX_SEED,
     MAX_STOP_SEQUENCE_LEN,
     TEMPERATURE_EPSILON,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from tandem.core_protocol import SamplingParams
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.tokenizer import TextTokenizer
-from tandem.protocol import (
+from tandem.proto_wire import (
     LEGACY_KV_TRANSFER_FIELD,
     MAX_CHOICES,
     MAX_KV_TRANSFER_PARAMS_BYTES,  # noqa: F401 - re-exported (the bound's documented home was here)

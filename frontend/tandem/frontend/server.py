@@ -33,7 +33,7 @@ from tandem.frontend.request_ids import DuplicateRequestId, RequestIdMap
 from tandem.frontend.tokenize_pool import TokenizePool, TokenizerBusy
 from tandem.error_text import bounded, echo
 from tandem.grpc_service import reject_malformed
-from tandem.protocol import (
+from tandem.proto_wire import (
     InvalidRequest,
     adopt_legacy_kv_params,
     kv_params_steer,

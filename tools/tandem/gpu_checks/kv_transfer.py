@@ -274,7 +274,7 @@ def part_engines(args: argparse.Namespace) -> dict[str, Any]:
     from google.protobuf import json_format
 
     from tandem.core_protocol import KVTransferParams
-    from tandem.protocol import kv_transfer_from_proto, kv_transfer_to_proto
+    from tandem.proto_wire import kv_transfer_from_proto, kv_transfer_to_proto
     from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
     procs = []

@@ -27,7 +27,7 @@ from tandem.generation_defaults import load_generation_defaults
 from tandem.grpc_service import add_service, enable_reflection
 from tandem.health import add_health
 from tandem.metrics import new_registry, start_metrics_endpoint
-from tandem.protocol import Limits
+from tandem.proto_wire import Limits
 from tandem.security import SecurityOptions, add_port
 from tandem.shutdown import StopSignals
 from tandem.v1 import engine_pb2

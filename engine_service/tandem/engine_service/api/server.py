@@ -35,7 +35,7 @@ from tandem.error_text import bounded, echo
 from tandem.security import AccessPolicy
 from tandem.request_scope import RequestScope
 from tandem.grpc_service import reject_malformed
-from tandem.protocol import (
+from tandem.proto_wire import (
     FINISH_TO_PROTO,
     InvalidRequest,
     Limits,

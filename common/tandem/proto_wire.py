@@ -1,4 +1,7 @@
-"""Converts and validates the wire's `SamplingParams` into the engine's, for both services.
+"""The protobuf wire, converted and validated: `SamplingParams`, limits and KV transfer
+parameters between the generated messages and the core protocol's typed structs, for both
+services (`tandem.core_protocol` is what crosses into the engine core; this module is the seam
+with gRPC).
 
 Both services validate with the same code: the frontend to fail fast before tokenizing, the
 engine because it is the authority on vocabulary and context length and may be called directly.
