@@ -163,7 +163,15 @@ def test_slow_consumer_does_not_slow_the_core(launch_serve):
     channel.close()
 
 
-def test_kv_transfer_params_round_trip_through_the_core(serve):
+@pytest.fixture(scope="module")
+def trusted_frontend(launch_serve) -> str:
+    """A `tandem serve` whose frontend passes clients' KV transfer parameters through (a router on
+    a private network); the default frontend refuses them."""
+    _, frontend, _ = launch_serve(["--trust-kv-callers"])
+    return frontend
+
+
+def test_kv_transfer_params_round_trip_through_the_core(serve, trusted_frontend):
     """Typed parameters an engine without a KV role does not act on travel through its core and
     come back unchanged; the `x-tandem-kv-transfer` header replaces the body's, whole."""
     channel = grpc.insecure_channel(serve["engine"])
@@ -196,8 +204,12 @@ def test_kv_transfer_params_round_trip_through_the_core(serve):
             stub.Generate(_request("kv-bad-header", 2), metadata=(("x-tandem-kv-transfer", value),))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details().startswith("x-tandem-kv-transfer"), err.value.details()
-    # Through the frontend too: it passes them on and returns the engine's copy.
-    with TandemClient(serve["frontend"]) as c:
+    # A default frontend refuses them: only a trusted router may name KV transfers.
+    with TandemClient(serve["frontend"]) as c, pytest.raises(grpc.RpcError) as err:
+        c.generate("Hello", max_tokens=2, kv_transfer_params={"remote_engine_id": "e", "x": "y"})
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # Through a trusting frontend: it passes them on and returns the engine's copy.
+    with TandemClient(trusted_frontend) as c:
         reply = c.generate("Hello", max_tokens=2, kv_transfer_params={"remote_engine_id": "e", "x": "y"})
         assert reply.kv_transfer_params.remote_engine_id == "e" and dict(reply.kv_transfer_params.extra) == {"x": "y"}
         # The frontend reads the header too, and it wins over the body.
@@ -220,11 +232,11 @@ def _old_client_request(params: dict) -> frontend_pb2.GenerateRequest:
     return frontend_pb2.GenerateRequest.FromString(body + bytes([9 << 3 | 2, len(struct)]) + struct)
 
 
-def test_kv_transfer_params_from_clients_built_before_the_typed_message(serve):
-    """The deprecated Struct form still works through the frontend: the parameters reach the
-    engine typed, and the reply carries them in both forms; a typed field given too wins."""
+def test_kv_transfer_params_from_clients_built_before_the_typed_message(trusted_frontend):
+    """The deprecated Struct form still works through a trusting frontend: the parameters reach
+    the engine typed, and the reply carries them in both forms; a typed field given too wins."""
     params = {"remote_engine_id": "old-router", "remote_block_ids": [7, 8], "remote_port": 5601, "tag": "t"}
-    with TandemClient(serve["frontend"]) as c:
+    with TandemClient(trusted_frontend) as c:
         req = _old_client_request(params)
         assert req.HasField("legacy_kv_transfer_params") and not req.HasField("kv_transfer_params")
         reply = c.stub.Generate(req, timeout=30)
