@@ -256,3 +256,30 @@ def test_kv_transfer_params_from_clients_built_before_the_typed_message(trusted_
             c.stub.Generate(_old_client_request({"remote_port": 70000}), timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details().startswith("legacy_kv_transfer_params.remote_port"), err.value.details()
+
+
+def test_a_24_kib_request_id_gets_a_bounded_error_not_resource_exhausted(serve):
+    """Issue 19 item 16: an error that echoed a 24 KiB id into the trailers came back
+    RESOURCE_EXHAUSTED (trailing metadata over gRPC's limit). The error now names the field with a
+    bounded echo, on the engine port (Generate, Utility ABORT) and on the frontend (Utility ABORT)."""
+    long_id = "x" * (24 * 1024)
+    calls = []
+    with grpc.insecure_channel(serve["engine"]) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        calls.append(lambda: stub.Generate(_request(long_id, 2), timeout=30))
+        calls.append(lambda: stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_ABORT,
+                                                                     request_id=long_id), timeout=30))
+        with TandemClient(serve["frontend"]) as c:
+            calls.append(lambda: c.stub.Utility(common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_ABORT,
+                                                                          request_id=long_id), timeout=30))
+            for call in calls:
+                try:
+                    call()
+                    code, details = grpc.StatusCode.OK, ""
+                except grpc.RpcError as err:
+                    code, details = err.code(), err.details() or ""
+                assert code != grpc.StatusCode.RESOURCE_EXHAUSTED, details[:200]
+                assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), code
+                assert len(details) <= 4096, len(details)
+            # The engine still serves an ordinary request afterwards.
+            assert len(stub.Generate(_request("after-long-id", 2), timeout=30).token_ids) == 2
