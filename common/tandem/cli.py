@@ -1,4 +1,4 @@
-"""The `tandem` command: serve, engine, frontend, generate, chat, bench.
+"""The `tandem` command: serve, engine, frontend, generate, chat, bench, plan.
 
 Flags come from dataclasses (`tandem/engine_service/config.py`, `tandem/cli_options.py`) through
 `tandem.options`: every flag has a help line with its default, a `TANDEM_<FLAG>` environment
@@ -409,6 +409,76 @@ def cmd_serve(args) -> int:
     return rc
 
 
+# -- plan ------------------------------------------------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory_size(text: str) -> int:
+    """`141GiB`, `141GB`, `80e9` -> bytes (GB = 10^9, GiB = 2^30, a bare number is bytes)."""
+    value = text.strip().lower().replace(" ", "")
+    number = value.rstrip("kmgtib")
+    unit = value[len(number):]
+    try:
+        amount = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 141GiB, 80GB)") from None
+    if unit not in _SIZE_UNITS or amount <= 0:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (units: B, KB, MB, GB, TB, KiB ... TiB)")
+    return int(amount * _SIZE_UNITS[unit])
+
+
+def _format_plan(plan: dict) -> str:
+    """`tandem plan`'s table (the numbers of `ServingPlan.as_dict`)."""
+    gib = 2**30
+
+    def size(n: int | None) -> str:
+        return "-" if n is None else f"{n / gib:,.2f} GiB"
+
+    where = (f"a GPU with {size(plan['device_memory_bytes'])} usable" if plan["device_memory_bytes"] is not None
+             else f"{plan['device']} (--cpu-kv-cache-gb)")
+    lines = [f"{plan['model']} on {where}: {plan['dtype']}, quantization {plan['quantization']}, "
+             f"max_model_len {plan['max_model_len']}, max_num_seqs {plan['max_num_seqs']}, "
+             f"block_size {plan['block_size']}",
+             f"  weights              {plan['weight_bytes']:>16,} B  {size(plan['weight_bytes'])}",
+             f"  cache budget         {plan['budget_bytes'] or 0:>16,} B  {size(plan['budget_bytes'])}",
+             f"  activation reserve   {plan['reserved_bytes']:>16,} B  {size(plan['reserved_bytes'])}",
+             f"  KV cache             {plan['kv_cache_bytes']:>16,} B  {size(plan['kv_cache_bytes'])}",
+             f"  state (+checkpoints) {plan['state_bytes']:>16,} B  {size(plan['state_bytes'])}",
+             "  cache groups:"]
+    for g in plan["groups"]:
+        if "num_blocks" in g:
+            window = f", window {g['sliding_window']}" if g["sliding_window"] else ""
+            lines.append(f"    {g['name']} ({g['kind']}{window}, {g['layers']} layers): {g['bytes_per_token']:,} B "
+                         f"per token, {g['num_blocks']:,} blocks = {g['kv_tokens']:,} KV tokens")
+        else:
+            lines.append(f"    {g['name']} ({g['kind']}, {g['layers']} layers): {g['bytes_per_slot']:,} B per slot "
+                         f"(and per checkpoint), {g['num_slots']:,} request slots, "
+                         f"{g['num_checkpoint_slots']:,} checkpoint slots")
+    for length, count in plan["requests"].items():
+        lines.append(f"  concurrent requests at {int(length):,} tokens of context: {count:,}")
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    """The engine's memory plan for a model on a GPU of `--gpu-memory` usable bytes, computed
+    on the meta device (nothing allocated, no GPU needed)."""
+    from tandem.engine_service.worker.serving_plan import plan_serving
+
+    try:
+        config = _engine_config(args)
+    except options.FlagValueError as exc:
+        raise StartupError(exc.flag, exc.value, exc.reason) from None
+    try:
+        plan = plan_serving(config, args.gpu_memory)
+    except ValueError as exc:
+        raise StartupError("--gpu-memory" if "fit" in str(exc) else "--model", None, str(exc)) from None
+    report = plan.as_dict(args.context_length or [plan.max_model_len])
+    print(json.dumps(report, indent=2) if args.json else _format_plan(report))
+    return 0
+
+
 # -- client commands ------------------------------------------------------------------------------
 
 
@@ -558,6 +628,18 @@ def build_parser() -> argparse.ArgumentParser:
         add_security_args(engine)
         engine.set_defaults(fn=cmd_engine)
         serve.set_defaults(engine_parser=engine)
+
+        plan = sub.add_parser("plan", help="weights, KV cache and concurrent requests of a model on a GPU, "
+                                            "from the engine's memory planner (no GPU needed)")
+        add_engine_flags(plan)
+        plan.add_argument("--gpu-memory", type=parse_memory_size, default=None, metavar="SIZE",
+                          help="usable memory of the GPU planned for, e.g. 139GiB or 141GB (without it: the "
+                               "engine's CPU budget, --cpu-kv-cache-gb)")
+        plan.add_argument("--context-length", type=int, action="append", default=None, metavar="TOKENS",
+                          help="count the requests that fit at this context length (repeatable; default: "
+                               "--max-model-len)")
+        plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+        plan.set_defaults(fn=cmd_plan)
 
     front = sub.add_parser("frontend", help="the frontend alone, in front of one or more engines")
     options.add_flags(front, ServerArgs, title="frontend server")

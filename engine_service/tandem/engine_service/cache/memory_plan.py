@@ -139,12 +139,17 @@ class MemoryPlan:
         }
 
 
+def budget_from_free(free_bytes: int, cache_config: CacheConfig) -> int:
+    """The cache's share of a GPU's free memory (read after the weights are loaded)."""
+    return int(free_bytes * cache_config.memory_fraction)
+
+
 def available_bytes(device: torch.device, cache_config: CacheConfig) -> int:
     """Memory the cache may use: a fraction of free GPU memory (call after loading weights),
     or the configured CPU budget."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free * cache_config.memory_fraction)
+        return budget_from_free(free, cache_config)
     return cache_config.cpu_kv_cache_bytes
 
 
@@ -166,8 +171,10 @@ def plan_cache(
     max_num_batched_tokens: int,
     max_model_len: int,
     reserved_bytes: int = 0,
+    budget_bytes: int | None = None,
 ) -> MemoryPlan:
-    """Size every group of `layout`.
+    """Size every group of `layout` within `budget_bytes` (default: what `device` has left,
+    `available_bytes`; `tandem plan` passes the budget of a device it does not have).
 
     1. State groups get `max_num_seqs` slots each (one per running request), reserved first.
     2. `reserved_bytes` (activation headroom) is set aside.
@@ -201,7 +208,7 @@ def plan_cache(
             blocks_bytes = cache_config.num_blocks * sum(per_block.values())
             num_checkpoints = int(blocks_bytes * fraction / (1.0 - fraction)) // per_checkpoint
     else:
-        budget = available_bytes(device, cache_config)
+        budget = available_bytes(device, cache_config) if budget_bytes is None else budget_bytes
         state_bytes = sum(s.total_bytes for s in state)
         left = max(budget - state_bytes - reserved_bytes, 0)
         if per_checkpoint and fraction:

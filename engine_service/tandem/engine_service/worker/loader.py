@@ -242,8 +242,15 @@ def planned_weight_bytes(resolved: ResolvedModel, device: torch.device | str, dt
     """Device bytes of the parameters `build_model` with the same arguments allocates (FP8
     weights and their scales included; shared storage once), counted on meta: the device holds
     only one parameter at a time, transiently, while the model is constructed."""
+    return meta_bytes(meta_model(resolved, device, dtype, attention_backend, quantization))
+
+
+def meta_model(resolved: ResolvedModel, device: torch.device | str, dtype: torch.dtype,
+               attention_backend: str = "auto", quantization: str = "auto") -> nn.Module:
+    """The model `build_model` with the same arguments would build, its parameters left on the
+    meta device (nothing allocated for them): for planning (`meta_bytes`, `cache_layout`)."""
     model, _, _ = _construct_on_meta(resolved, torch.device(device), dtype, attention_backend, quantization)
-    return meta_bytes(model)
+    return model
 
 
 def _stored_names(path: str | None) -> list[str]:

@@ -15,26 +15,17 @@ from tandem.engine_service.worker.input_batch import (
 from tandem.engine_service.worker.loader import build_model, read_eos_token_ids, resolve_model
 from tandem.engine_service.cache.cache_spec import CacheLayout
 from tandem.engine_service.cache.cache_tensors import CacheTensors, allocate_cache_tensors
-from tandem.engine_service.cache.memory_plan import MemoryPlan, estimate_activation_bytes, plan_cache, torch_dtype_name
+from tandem.engine_service.cache.memory_plan import MemoryPlan, torch_dtype_name
+from tandem.engine_service.worker.serving_plan import plan_model_cache, resolve_dtype, resolve_max_model_len
 from tandem.engine_service.worker.state_copies import check_copies, copy_state_slots
 
 log = structlog.get_logger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def resolve_device(name: str) -> torch.device:
     """`auto` -> cuda when available, else cpu; anything else as torch spells it."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` -> bfloat16 on GPU, float32 on CPU (CPU half-precision matmuls are slow)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 class ModelRunner:
@@ -75,27 +66,11 @@ class ModelRunner:
         self.arch_config = arch
         self.vocab_size = arch.vocab_size
         self.eos_token_ids = read_eos_token_ids(resolved)
-        self.max_model_len = mc.max_model_len or arch.max_position_embeddings
-        if self.max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                f"{arch.max_position_embeddings}"
-            )
-
-        reserved = 0
-        if self.device.type == "cuda":
-            sc = config.scheduler
-            reserved = estimate_activation_bytes(
-                arch.hidden_size, arch.intermediate_size, arch.num_attention_heads, arch.head_dim,
-                arch.vocab_size, sc.max_num_batched_tokens, sc.max_num_seqs, self.dtype,
-            )
-        sc = config.scheduler
+        self.max_model_len = resolve_max_model_len(mc.max_model_len, arch)
         self.cache_layout: CacheLayout = self.model.cache_layout(torch_dtype_name(self.dtype))
-        self.memory_plan: MemoryPlan = plan_cache(
-            self.cache_layout, cc, self.device, max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=self.max_model_len,
-            reserved_bytes=reserved,
-        )
+        # The same planning path as `tandem plan` (`serving_plan.py`), with this device's free memory.
+        self.memory_plan: MemoryPlan = plan_model_cache(
+            self.cache_layout, arch, config, self.device, self.dtype, self.max_model_len)
         self.block_size = cc.block_size
         self.num_blocks = self.memory_plan.num_blocks
         if self.memory_plan.paged_groups[0].sliding_window is None and self.num_blocks * self.block_size < self.max_model_len:
