@@ -46,6 +46,7 @@ import torch
 from tandem.gpu_checks.divergence import TIE_NATS, TOP_LOGPROBS, judge_divergence  # noqa: F401 - TIE_NATS re-exported
 
 CHILD_FLAG = "--serve-child"
+CHECK_PROMPT = (1, 2, 3)  # the pull part's leases are made for this prompt
 
 
 # -- the producer-side child ------------------------------------------------------------------------
@@ -87,6 +88,7 @@ def _fill(tensors, device: torch.device) -> None:
 
 def serve_child(args: argparse.Namespace) -> int:
     """The producer: fill a cache, serve pulls under `--leases` leases, until stdin closes."""
+    from tandem.engine_service.kv_connector.auth import prompt_digest
     from tandem.engine_service.kv_connector.cuda_ipc import CudaIpcChannel
     from tandem.engine_service.kv_connector.leases import LeasedBlocks, LeaseTable
     from tandem.engine_service.kv_connector.tcp_transport import KVPullServer
@@ -98,8 +100,10 @@ def serve_child(args: argparse.Namespace) -> int:
         torch.cuda.synchronize(device)
     leases = LeaseTable()
     ids = list(range(args.blocks))
-    lease_ids = [leases.grant(f"r{i}", LeasedBlocks(f"r{i}", [list(ids) for _ in io.layers]), 3600).lease_id
-                 for i in range(args.leases)]
+    # Every lease is bound to one fixed prompt's digest (`CHECK_PROMPT`), as an engine's would be to its prompt.
+    granted = [leases.grant(f"r{i}", LeasedBlocks(f"r{i}", [list(ids) for _ in io.layers]), 3600,
+                            prompt_digest=prompt_digest(CHECK_PROMPT)) for i in range(args.leases)]
+    lease_ids = [[lease.lease_id, lease.secret] for lease in granted]
     ipc = CudaIpcChannel() if device.type == "cuda" else None
     nixl = None
     if "nixl" in args.transports:
@@ -144,6 +148,7 @@ def _read_hello(child: subprocess.Popen) -> dict[str, Any]:
 
 
 def part_pull(args: argparse.Namespace) -> dict[str, Any]:
+    from tandem.engine_service.kv_connector.auth import prompt_digest
     from tandem.engine_service.kv_connector.cuda_ipc import CudaIpcChannel
     from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, LoadSpec
     from tandem.engine_service.kv_connector.worker_side import KVConnectorWorker
@@ -181,8 +186,10 @@ def part_pull(args: argparse.Namespace) -> dict[str, Any]:
                     if layer_t is not None:
                         layer_t.zero_()
                 _sync(device)
+                lease_id, secret = next(leases)
                 spec = LoadSpec(request_id=f"{transport}-{rep}", remote_engine_id="child", remote_host="127.0.0.1",
-                                remote_port=hello["port"], lease_id=next(leases), transport=transport,
+                                remote_port=hello["port"], lease_id=lease_id, lease_secret=secret,
+                                prompt_digest=prompt_digest(CHECK_PROMPT), transport=transport,
                                 remote_block_ids=remote_ids, local_block_ids=local_ids, num_tokens=n * args.block_size)
                 t0 = time.perf_counter()
                 worker.apply(KVConnectorMetadata(start_loads=[spec]))
