@@ -116,7 +116,7 @@ def _resolve_serve_ports(args) -> None:
     if args.disaggregated and args.engine_port == 0 and args.decode_engine_port is None:
         args.decode_engine_port = 0
     _resolve_zero_ports(args, (("port", args.host), ("engine_port", args.engine_host),
-                               ("decode_engine_port", args.engine_host)))
+                               ("decode_engine_port", args.engine_host), ("http_port", args.host)))
 
 
 def _check_engine_flags(args) -> None:
@@ -152,6 +152,8 @@ def _frontend_options(args, engines: list[str], prefill: list[str] | None = None
 
     return options.from_args(FrontendOptions, args, engines=engines, prefill_engines=list(prefill or []),
                              decode_engines=list(decode or []), security=_security(args),
+                             engine_resolve_interval=getattr(args, "engine_resolve_interval",
+                                                             FrontendOptions.engine_resolve_interval),
                              engine_security=_security(args, "engine-"), **_metrics_options(args))
 
 
@@ -187,9 +189,10 @@ def cmd_frontend(args) -> int:
     prefill, decode = _disaggregated_engines(args)
     engines = prefill + decode if prefill else (args.engine or [DEFAULT_ENGINE_ADDRESS])
     if args.workers > 1:
-        _resolve_zero_ports(args, (("port", args.host),))
+        _resolve_zero_ports(args, (("port", args.host), ("http_port", args.host)))
     startup_checks.check_port_free("--port", args.host, args.port)
     startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
+    startup_checks.check_port_free("--http-port", args.host, args.http_port)
     startup_checks.check_pem_files(args)
     startup_checks.check_pem_files(args, "engine-")
     startup_checks.check_tokenizer(args.tokenizer)
@@ -292,6 +295,7 @@ def cmd_serve(args) -> int:
     if decode_port is not None:
         startup_checks.check_port_free("--decode-engine-port", args.engine_host, decode_port)
     startup_checks.check_port_free("--metrics-port", args.metrics_host or args.host, args.metrics_port)
+    startup_checks.check_port_free("--http-port", args.host, args.http_port)
     startup_checks.check_port_free("--engine-metrics-port", args.metrics_host or args.engine_host, args.engine_metrics_port)
     startup_checks.check_pem_files(args)
     startup_checks.check_pem_files(args, "engine-")

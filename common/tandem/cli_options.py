@@ -15,7 +15,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from tandem.options import host_port, non_negative_float, port_number
+from tandem.options import host_port, non_negative_float, port_number, positive_float
 
 
 def _opt(default, help: str, **extra):
@@ -62,6 +62,10 @@ class FrontendServingArgs:
                                            "multiplexed stream per engine (the faster one at high concurrency; "
                                            "tandem serve's default)",
                                  choices=("stream", "mux"))
+    http_port: int | None = _opt(None, "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                                       "/v1/models, /tokenize, /detokenize, /health) on this port of --host, with "
+                                       "the gRPC port's TLS and tokens; off when not given (0: any free port)",
+                                 parse=port_number)
     trust_kv_callers: bool = _opt(False, "callers may send KV transfer parameters and see the ones engines return "
                                          "(pull address, lease, its secret, block ids): only for a router on a "
                                          "private network; off, such parameters are refused (PERMISSION_DENIED) "
@@ -73,8 +77,9 @@ class FrontendArgs(FrontendServingArgs):
     """What `tandem frontend` resolves before it starts one: its engines (or two pools), its
     worker count and how long it waits for the engines to accept connections."""
 
-    engine: list[str] | None = _opt(None, "engine address; repeat for replicas (default: 127.0.0.1:50052)",
-                                    metavar="HOST:PORT", parse=host_port)
+    engine: list[str] | None = _opt(None, "engine address; repeat for replicas (default: 127.0.0.1:50052); "
+                                          "dns:///NAME:PORT: every address NAME resolves to, followed as it "
+                                          "changes (--engine-resolve-interval)", metavar="HOST:PORT", parse=host_port)
     prefill_engine: list[str] | None = _opt(None, "disaggregated prefill/decode: a prefill engine (--kv-role "
                                                   "producer or both); repeat for a pool. With --decode-engine, "
                                                   "every request runs a prefill leg here and a decode leg there "
@@ -82,6 +87,8 @@ class FrontendArgs(FrontendServingArgs):
     decode_engine: list[str] | None = _opt(None, "disaggregated prefill/decode: a decode engine (--kv-role "
                                                  "consumer or both); repeat for a pool; needs --prefill-engine",
                                            metavar="HOST:PORT", parse=host_port)
+    engine_resolve_interval: float = _opt(5.0, "seconds between lookups of dns:/// engine names: addresses that "
+                                               "appear are added, vanished ones drained", parse=positive_float)
     workers: int = _opt(1, "frontend processes sharing the port (SO_REUSEPORT); metrics ports count up "
                            "from --metrics-port")
     engine_connect_timeout: float = _opt(30.0, "seconds to wait for each --engine address to accept "

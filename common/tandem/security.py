@@ -228,6 +228,19 @@ class SecurityOptions:
             require_client_auth=client_ca is not None,
         )
 
+    def server_ssl_context(self):
+        """The same server TLS (and mTLS) as `server_credentials`, for the HTTP face; None for plaintext."""
+        if not self.server_tls:
+            return None
+        import ssl
+
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        if self.tls_client_ca is not None:
+            context.load_verify_locations(cafile=self.tls_client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         # An admin token is also a client token (an admin may do whatever a client may).
         return [BearerTokenInterceptor(self.tokens + self.admin_tokens)] if self.auth else []
@@ -349,6 +362,29 @@ def _bearer(metadata) -> str | None:
     return None
 
 
+def _token_matches(tokens: tuple[bytes, ...], presented: str) -> bool:
+    candidate = presented.encode("latin-1", "replace")
+    ok = False
+    for token in tokens:  # no early exit: timing must not tell which token matched
+        ok |= hmac.compare_digest(candidate, token)
+    return ok
+
+
+def bearer_denial(tokens: tuple[str, ...], metadata) -> grpc.StatusCode | None:
+    """How a call carrying `metadata` (lower-case (key, value) pairs; HTTP headers alike) is
+    refused under `tokens`: None when auth is off or its bearer token is one of them, else
+    UNAUTHENTICATED (no token) or PERMISSION_DENIED (a wrong one). The HTTP face's check; the
+    gRPC one is `BearerTokenInterceptor`, which answers the same."""
+    if not tokens:
+        return None
+    presented = _bearer(metadata)
+    if presented is None:
+        return grpc.StatusCode.UNAUTHENTICATED
+    if _token_matches(tuple(t.encode("ascii") for t in tokens), presented):
+        return None
+    return grpc.StatusCode.PERMISSION_DENIED
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without a valid bearer token: none → UNAUTHENTICATED, wrong → PERMISSION_DENIED."""
 
@@ -358,11 +394,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._tokens = tuple(t.encode("ascii") for t in tokens)
 
     def _valid(self, presented: str) -> bool:
-        candidate = presented.encode("latin-1", "replace")
-        ok = False
-        for token in self._tokens:  # no early exit: timing must not tell which token matched
-            ok |= hmac.compare_digest(candidate, token)
-        return ok
+        return _token_matches(self._tokens, presented)
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method

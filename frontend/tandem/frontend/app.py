@@ -46,6 +46,7 @@ class FrontendOptions(ServerArgs, FrontendServingArgs, MetricsArgs):
     """
 
     engines: list[str] = field(default_factory=lambda: [DEFAULT_ENGINE_ADDRESS])
+    engine_resolve_interval: float = 5.0  # seconds between lookups of `dns:///` engine names
     engine_wait_timeout: float = 900.0
     security: SecurityOptions = field(default_factory=SecurityOptions)  # clients → frontend (server side)
     engine_security: SecurityOptions = field(default_factory=SecurityOptions)  # frontend → engines (client side)
@@ -72,7 +73,7 @@ def _engine_pool(options: FrontendOptions, addresses: list[str]) -> EnginePool:
     return EnginePool(addresses, channel_options=engine_security.channel_options(),
                       credentials=engine_security.channel_credentials(),
                       interceptors=engine_security.aio_client_interceptors(),
-                      transport=options.engine_transport)
+                      transport=options.engine_transport, resolve_interval=options.engine_resolve_interval)
 
 
 def engine_default_max_tokens(model_info: dict, fallback: int) -> int:
@@ -174,6 +175,13 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
              **options.security.summary("server"), engine_link=engine_security.summary("client"))
     options.security.warn_if_weak("server", options.host)
     engine_security.warn_if_weak("client", engine_addresses[0].rsplit(":", 1)[0])
+    http_runner = None
+    if options.http_port is not None:
+        from tandem.frontend.http_server import start_http  # aiohttp only when the HTTP face is on
+
+        http_runner, http_bound = await start_http(servicer, options.host, options.http_port, options.security,
+                                                   reuse_port=options.num_workers > 1)
+        log.info("frontend_http_listening", address=f"{options.host}:{http_bound}")
     if servicer.builder is None:
         await attach_builder(servicer, options, pool)
     (disaggregated or pool).start_monitor()
@@ -189,6 +197,8 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     servicer.accepting = False
     await signals.drain(lambda: len(servicer.ids), options.drain_timeout)
     await health.enter_graceful_shutdown()
+    if http_runner is not None:
+        await http_runner.cleanup()
     await server.stop(grace=0 if signals.force.is_set() else 2.0)
     await (disaggregated or pool).close()
     if relay is not None:

@@ -133,6 +133,11 @@ class RequestBuilder:
             # is the authority on what they mean.
             kv_transfer_from_proto(request.kv_transfer_params)
 
+    def prompt_token_ids(self, request: frontend_pb2.GenerateRequest, tokenizer: TextTokenizer | None = None) -> list[int]:
+        """The prompt's token ids as a generation would see them (`tokenizer`: the calling
+        thread's own, default the shared one)."""
+        return self._prompt_ids(request, tokenizer if tokenizer is not None else self.tokenizer)
+
     def _prompt_ids(self, request: frontend_pb2.GenerateRequest, tokenizer: TextTokenizer) -> list[int]:
         if request.prompt_token_ids:
             return check_prompt_token_ids("prompt_token_ids", request.prompt_token_ids, self.limits.vocab_size)

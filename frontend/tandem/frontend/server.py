@@ -104,6 +104,10 @@ def engine_timeout(remaining: float | None) -> float | None:
     return max(remaining - min(TRAILER_MARGIN_S, remaining / 10), 0.0)
 
 
+def _decode(tokenizer, token_ids: list[int], skip_special_tokens: bool) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
 class _Aborted(Exception):
     """Internal: the fan-out queue's marker that Utility ABORT ended the request."""
 
@@ -174,9 +178,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                                 f"command: {C.UtilityCommand.Name(cmd)} changes server state and needs an admin "
                                 "token (--admin-token-file) or a server started with --allow-admin-commands")
         if cmd == C.UTILITY_COMMAND_HEALTH:
-            pools = self.disaggregated if self.disaggregated is not None else self.pool
-            ready = self.builder is not None and self.accepting and pools.any_healthy
-            result = {"status": "SERVING" if ready else "NOT_SERVING"}
+            result = {"status": "SERVING" if self.ready() else "NOT_SERVING"}
             if self.access.is_admin(context):  # internals only for an administrator
                 result.update(pid=os.getpid(), in_flight=len(self.ids),
                               engines={r.address: r.healthy for r in self._all_replicas()})
@@ -224,6 +226,27 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"command: unknown utility command {cmd}")
         return common_pb2.UtilityResponse(command=cmd, result=to_struct(result))
+
+    def ready(self) -> bool:
+        """Serving: the tokenizer is loaded, the frontend is not draining and an engine is ready."""
+        pools = self.disaggregated if self.disaggregated is not None else self.pool
+        return self.builder is not None and self.accepting and pools.any_healthy
+
+    async def tokenize_prompt(self, request: frontend_pb2.GenerateRequest) -> list[int]:
+        """The token ids `request`'s prompt (text, messages or ids) becomes, checked as a
+        generation's prompt is (`RequestBuilder.check_request`), with no generation. Raises
+        `InvalidRequest` or `TokenizerBusy`; the caller has checked that `builder` is attached."""
+        self.builder.check_request(request)
+        if request.prompt_token_ids:
+            return self.builder.prompt_token_ids(request)
+        return await self.tokenize_pool.run(self._prompt_ids_with, request)
+
+    def _prompt_ids_with(self, tokenizer, request) -> list[int]:
+        return self.builder.prompt_token_ids(request, tokenizer)
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `token_ids` (range-checked by the caller), decoded on the tokenizer pool."""
+        return await self.tokenize_pool.run(_decode, token_ids, skip_special_tokens)
 
     def _all_replicas(self) -> list[EngineReplica]:
         return self.disaggregated.all_replicas if self.disaggregated is not None else self.pool.replicas

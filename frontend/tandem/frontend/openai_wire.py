@@ -1,0 +1,352 @@
+"""OpenAI JSON <-> Tandem protobuf: the translation seam of the HTTP face (no I/O here).
+
+A request body becomes a `frontend_pb2.GenerateRequest`, so the HTTP endpoints run the very
+validation, tokenization and fan-out of the gRPC `Frontend` service; a reply (or stream delta)
+becomes OpenAI's JSON. Every shape error raises `InvalidRequest` naming the JSON field, which
+the HTTP layer answers with OpenAI's error object and status 400.
+
+Fields outside OpenAI's schema that vLLM also accepts (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`,
+`add_generation_prompt`, `return_token_ids`) map onto the matching protobuf fields; other unknown
+fields are ignored, as OpenAI-compatible servers do. Features Tandem does not implement
+(tools, structured `response_format`, `echo`, `suffix`, `best_of` > n, several prompts per
+call) are refused with 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from tandem.proto_wire import InvalidRequest
+from tandem.v1 import common_pb2, frontend_pb2
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+# gRPC status -> (HTTP status, OpenAI error type).
+_HTTP_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+
+
+def http_error(code: grpc.StatusCode, message: str) -> tuple[int, dict]:
+    """The HTTP status and OpenAI error body of a call that ended with gRPC `code`.
+
+    `param` is the field an `InvalidRequest` message names (its text before the first ': ')."""
+    status, kind = _HTTP_ERRORS.get(code, (500, "server_error"))
+    param = None
+    if status == 400:
+        head, sep, _ = message.partition(": ")
+        if sep and head and " " not in head:
+            param = head
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code.name.lower()}}
+
+
+# -- requests --------------------------------------------------------------------------------------
+def _typed(body: dict, name: str, kinds: tuple, what: str):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in kinds:
+        raise InvalidRequest(name, f"must be {what}")
+    if not isinstance(value, kinds):
+        raise InvalidRequest(name, f"must be {what}")
+    return value
+
+
+def _int(body, name):
+    return _typed(body, name, (int,), "an integer")
+
+
+def _num(body, name):
+    return _typed(body, name, (int, float), "a number")
+
+
+def _bool(body, name):
+    return _typed(body, name, (bool,), "a boolean")
+
+
+def _refuse(body: dict, name: str, allowed=(None, False)) -> None:
+    if body.get(name) not in allowed:
+        raise InvalidRequest(name, "is not supported by this server")
+
+
+def _common(body: dict, req: frontend_pb2.GenerateRequest) -> None:
+    """The fields completions and chat completions share."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise InvalidRequest("model", "must be a string")
+        req.model = model
+    s = req.sampling
+    for name, target in (("max_tokens", "max_tokens"), ("max_completion_tokens", "max_tokens"), ("top_k", "top_k"),
+                         ("seed", "seed"), ("min_tokens", "min_tokens")):
+        value = _int(body, name)
+        if value is not None:
+            setattr(s, target, value)
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _num(body, name)
+        if value is not None:
+            setattr(s, name, value)
+    n = _int(body, "n")
+    if n is not None:
+        req.n = n
+    best_of = _int(body, "best_of")
+    if best_of is not None and best_of != (n or 1):
+        raise InvalidRequest("best_of", "must equal n (this server returns every choice it generates)")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        req.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        req.stop.extend(stop)
+    elif stop is not None:
+        raise InvalidRequest("stop", "must be a string or a list of strings")
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+            raise InvalidRequest("stop_token_ids", "must be a list of integers")
+        s.stop_token_ids.extend(ids)
+    for name, target in (("ignore_eos", s), ("skip_special_tokens", req), ("include_stop_str_in_output", req)):
+        value = _bool(body, name)
+        if value is not None:
+            setattr(target, name, value)
+    _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequest("stream_options", "must be an object")
+    if _bool(body, "return_token_ids"):
+        req.return_prompt_token_ids = True
+
+
+def wants_usage_in_stream(body: dict) -> bool:
+    """`stream_options.include_usage`: a last chunk with `usage` and no choices."""
+    options = body.get("stream_options") or {}
+    return bool(options.get("include_usage"))
+
+
+def completion_request(body: dict) -> frontend_pb2.GenerateRequest:
+    """`POST /v1/completions` as a GenerateRequest."""
+    req = frontend_pb2.GenerateRequest()
+    _common(body, req)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        req.prompt_token_ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise InvalidRequest("prompt", "one prompt per request (send several requests)")
+    else:
+        raise InvalidRequest("prompt", "must be a string or a list of token ids")
+    logprobs = _int(body, "logprobs")
+    if logprobs is not None:
+        req.sampling.logprobs = logprobs
+    _refuse(body, "echo")
+    _refuse(body, "suffix", (None, ""))
+    _refuse(body, "logit_bias", (None, {}))
+    return req
+
+
+def _message_text(i: int, content) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"messages[{i}].content", "only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequest(f"messages[{i}].content", "must be a string or a list of text parts")
+
+
+def chat_request(body: dict) -> frontend_pb2.GenerateRequest:
+    """`POST /v1/chat/completions` as a GenerateRequest."""
+    req = frontend_pb2.GenerateRequest()
+    _common(body, req)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages", "must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest(f"messages[{i}]", "must be an object with a role")
+        role = "system" if m["role"] == "developer" else m["role"]
+        req.messages.add(role=role, content=_message_text(i, m.get("content")))
+    if _bool(body, "logprobs"):
+        top = _int(body, "top_logprobs")
+        req.sampling.logprobs = top or 0
+    elif body.get("top_logprobs") is not None:
+        raise InvalidRequest("top_logprobs", "needs logprobs: true")
+    add_gen = _bool(body, "add_generation_prompt")
+    if add_gen is not None:
+        req.add_generation_prompt = add_gen
+    _refuse(body, "tools", (None, []))
+    _refuse(body, "tool_choice", (None, "none", "auto"))
+    _refuse(body, "logit_bias", (None, {}))
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise InvalidRequest("response_format", "only {\"type\": \"text\"} is supported by this server")
+    return req
+
+
+# -- replies ---------------------------------------------------------------------------------------
+def usage_json(usage: common_pb2.Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+def chat_logprobs(entries) -> dict:
+    return {"content": [{
+        "token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode("utf-8")),
+        "top_logprobs": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode("utf-8"))}
+                         for t in e.top],
+    } for e in entries]}
+
+
+def completion_logprobs(entries, text_offset: int = 0) -> dict:
+    offsets, at = [], text_offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e.text)
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries], "text_offset": offsets}
+
+
+def chat_response(msg: frontend_pb2.GenerateResponse, created: int) -> dict:
+    choices = []
+    for c in msg.choices:
+        choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                  "finish_reason": FINISH_REASONS.get(c.finish_reason), "logprobs": None}
+        if c.logprobs:
+            choice["logprobs"] = chat_logprobs(c.logprobs)
+        if c.HasField("stop_str"):
+            choice["stop_reason"] = c.stop_str
+        elif c.HasField("stop_token_id"):
+            choice["stop_reason"] = c.stop_token_id
+        choices.append(choice)
+    body = {"id": f"chatcmpl-{msg.request_id}", "object": "chat.completion", "created": created,
+            "model": msg.model, "choices": choices, "usage": usage_json(msg.usage)}
+    if msg.prompt_token_ids:
+        body["prompt_token_ids"] = list(msg.prompt_token_ids)
+    return body
+
+
+def completion_response(msg: frontend_pb2.GenerateResponse, created: int) -> dict:
+    choices = []
+    for c in msg.choices:
+        choice = {"index": c.index, "text": c.text, "finish_reason": FINISH_REASONS.get(c.finish_reason),
+                  "logprobs": completion_logprobs(c.logprobs) if c.logprobs else None}
+        if c.HasField("stop_str"):
+            choice["stop_reason"] = c.stop_str
+        elif c.HasField("stop_token_id"):
+            choice["stop_reason"] = c.stop_token_id
+        choices.append(choice)
+    body = {"id": f"cmpl-{msg.request_id}", "object": "text_completion", "created": created,
+            "model": msg.model, "choices": choices, "usage": usage_json(msg.usage)}
+    if msg.prompt_token_ids:
+        body["prompt_token_ids"] = list(msg.prompt_token_ids)
+    return body
+
+
+class StreamTranslator:
+    """Turns one request's `GenerateStreamResponse`s into OpenAI chunk objects, in order.
+
+    Invariants: each choice's first chat chunk carries `role: assistant`; a choice's
+    `finish_reason` appears once, on its last chunk; with `include_usage` every chunk has
+    `usage: null` except one last chunk with no choices and the request's usage (OpenAI's shape).
+    """
+
+    def __init__(self, chat: bool, model: str, created: int, include_usage: bool) -> None:
+        self.chat = chat
+        self.model = model
+        self.created = created
+        self.include_usage = include_usage
+        self._started: set[int] = set()
+        self._text_offsets: dict[int, int] = {}
+        self.request_id = ""
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        prefix, kind = ("chatcmpl", "chat.completion.chunk") if self.chat else ("cmpl", "text_completion")
+        body = {"id": f"{prefix}-{self.request_id}", "object": kind, "created": self.created,
+                "model": self.model, "choices": choices}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def chunks(self, msg: frontend_pb2.GenerateStreamResponse) -> list[dict]:
+        self.request_id = self.request_id or msg.request_id
+        if msg.model:
+            self.model = msg.model
+        out = []
+        for c in msg.choices:
+            finish = FINISH_REASONS.get(c.finish_reason)
+            if self.chat:
+                delta: dict = {}
+                if c.index not in self._started:
+                    delta["role"] = "assistant"
+                    self._started.add(c.index)
+                if c.text or "role" in delta:
+                    delta["content"] = c.text
+                choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": None}
+                if c.logprobs:
+                    choice["logprobs"] = chat_logprobs(c.logprobs)
+            else:
+                offset = self._text_offsets.get(c.index, 0)
+                choice = {"index": c.index, "text": c.text, "finish_reason": finish,
+                          "logprobs": completion_logprobs(c.logprobs, offset) if c.logprobs else None}
+                self._text_offsets[c.index] = offset + len(c.text)
+            if c.HasField("stop_str"):
+                choice["stop_reason"] = c.stop_str
+            out.append(self._envelope([choice]))
+        if msg.HasField("usage") and self.include_usage:
+            last = self._envelope([])
+            last["usage"] = usage_json(msg.usage)
+            out.append(last)
+        return out
+
+
+def tokenize_request(body: dict) -> frontend_pb2.GenerateRequest:
+    """`POST /tokenize` ({"prompt": text} or {"messages": [...]}, optional `model` and
+    `add_generation_prompt`) as the GenerateRequest whose prompt would be tokenized."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    if "messages" in body:
+        req = chat_request({k: body[k] for k in ("model", "messages", "add_generation_prompt") if k in body})
+    else:
+        req = frontend_pb2.GenerateRequest()
+        if not isinstance(body.get("prompt"), str):
+            raise InvalidRequest("prompt", "must be a string (or send messages)")
+        req.prompt = body["prompt"]
+        if isinstance(body.get("model"), str):
+            req.model = body["model"]
+    return req
+
+
+def detokenize_ids(body: dict) -> list[int]:
+    """`POST /detokenize`'s `tokens`: a list of token ids."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in tokens):
+        raise InvalidRequest("tokens", "must be a list of token ids")
+    return tokens

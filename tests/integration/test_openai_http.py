@@ -1,0 +1,123 @@
+"""Issue 21, acceptance 1: the unmodified `openai` Python client against a real `tandem serve
+--http-port` (the embedded model, greedy): models, a chat completion that says Paris, the same
+streamed with usage at the end, OpenAI-shaped errors, and the bearer token on HTTP."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TOKEN = "http-test-token"
+
+
+@pytest.fixture(scope="module")
+def http_serve(launch_serve, get_free_port):
+    port = get_free_port()
+    _, frontend, _ = launch_serve(["--http-port", str(port), "--frontend-workers", "1"],
+                                  env={"TANDEM_AUTH_TOKEN": TOKEN})
+    return {"base": f"http://127.0.0.1:{port}", "frontend": frontend}
+
+
+@pytest.fixture(scope="module")
+def oai(http_serve):
+    with openai.OpenAI(base_url=http_serve["base"] + "/v1", api_key=TOKEN, max_retries=0, timeout=120) as client:
+        yield client
+
+
+def _post(url: str, body: dict, token: str | None = TOKEN) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_lists_the_served_model(oai):
+    models = oai.models.list()
+    ids = [m.id for m in models.data]
+    assert len(ids) == 1 and ids[0]
+    assert models.data[0].owned_by == "tandem"
+
+
+def test_chat_completion_says_paris(oai):
+    model = oai.models.list().data[0].id
+    reply = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=32, temperature=0)
+    choice = reply.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens > 10
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert reply.model == model
+
+
+def test_streamed_chat_says_paris_with_usage_last(oai):
+    model = oai.models.list().data[0].id
+    stream = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=32, temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens > 0 and last.usage.prompt_tokens > 10
+    assert all(c.usage is None for c in chunks[:-1])
+    # The stream and the unary call are the same greedy generation.
+    unary = oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=32, temperature=0)
+    assert text == unary.choices[0].message.content
+    assert last.usage.completion_tokens == unary.usage.completion_tokens
+
+
+def test_completion_streams_and_completes(oai):
+    model = oai.models.list().data[0].id
+    full = oai.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert full.choices[0].text and streamed == full.choices[0].text
+    assert full.usage.completion_tokens <= 8
+
+
+def test_bad_request_gets_an_openai_error(oai):
+    model = oai.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, temperature=-1.0)
+    assert info.value.status_code == 400
+    err = info.value.body
+    assert err["type"] == "invalid_request_error" and "temperature" in err["message"]
+    assert err["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="no-such-model", messages=QUESTION, max_tokens=4)
+    assert info.value.body["param"] == "model"
+
+
+def test_bearer_token_applies_to_http(http_serve):
+    with openai.OpenAI(base_url=http_serve["base"] + "/v1", api_key="wrong-token", max_retries=0) as bad:
+        with pytest.raises(openai.PermissionDeniedError):
+            bad.models.list()
+    status, body = _post(http_serve["base"] + "/v1/completions", {"prompt": "hi"}, token=None)
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    with urllib.request.urlopen(http_serve["base"] + "/health", timeout=30) as resp:  # probes need no token
+        assert resp.status == 200 and json.loads(resp.read())["status"] == "SERVING"
+
+
+def test_tokenize_round_trips_without_generating(http_serve):
+    status, tok = _post(http_serve["base"] + "/tokenize", {"prompt": "The capital of France"})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
+    status, detok = _post(http_serve["base"] + "/detokenize", {"tokens": tok["tokens"]})
+    assert status == 200 and detok["prompt"] == "The capital of France"
+    status, chat = _post(http_serve["base"] + "/tokenize", {"messages": QUESTION})
+    assert status == 200 and chat["count"] > tok["count"]  # the chat template adds its markers
+    status, err = _post(http_serve["base"] + "/detokenize", {"tokens": [10 ** 9]})
+    assert status == 400 and err["error"]["param"] == "tokens"
