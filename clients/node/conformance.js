@@ -241,6 +241,42 @@ const CHECKS = {
     }
     return { seeded: seededA, greedy, greedy_defaults: greedyDefaults };
   },
+
+  /**
+   * (7) The typed control plane: integers arrive as integers, GetLoads answers per replica, and
+   * Tokenize / Detokenize run no generation (the engines' finished-request counters stay put).
+   */
+  async control_plane(client) {
+    const info = await client.getModelInfo({ deadlineMs: 5000 });
+    assert.ok(Number.isInteger(info.max_context_length) && info.max_context_length > 0,
+      `max_context_length is not a positive integer: ${JSON.stringify(info.max_context_length)}`);
+    assert.ok(Number.isInteger(info.vocab_size) && info.vocab_size > 0, 'vocab_size is not an integer');
+    assert.ok(info.eos_token_ids.length >= 1 && info.eos_token_ids.every(Number.isInteger), 'eos_token_ids');
+    assert.ok(info.served_model_name, 'served_model_name missing');
+    const server = await client.getServerInfo({ deadlineMs: 5000 });
+    assert.ok(server.version && server.ready, `server info: ${JSON.stringify(server)}`);
+    assert.ok(server.engines.length >= 1, 'no engine replica listed');
+    const loads = await client.getLoads({ deadlineMs: 5000 });
+    assert.equal(loads.replicas.length, server.engines.length, 'one load per engine replica');
+    for (const r of loads.replicas) {
+      assert.equal(r.error, '', `replica ${r.address} did not answer: ${r.error}`);
+      assert.ok(Number.isInteger(r.num_running) && Number.isInteger(r.num_waiting), 'counts are not integers');
+      assert.ok(Number.isInteger(r.kv_blocks_total) && r.kv_blocks_total > 0, 'kv_blocks_total');
+      assert.ok(r.kv_usage >= 0 && r.kv_usage <= 1, `kv_usage ${r.kv_usage}`);
+    }
+    const finished = async () => Object.values((await client.utility('stats', { deadlineMs: 5000 })).engines)
+      .reduce((sum, e) => sum + e.finished_requests_total, 0);
+    await waitIdle(client); // earlier checks' requests have ended and are counted
+    const before = await finished();
+    const tok = await client.tokenize({ messages: CAPITAL_QUESTION });
+    assert.ok(tok.count === tok.token_ids.length && tok.count > 0, 'token count');
+    assert.equal(tok.max_context_length, info.max_context_length, 'max_context_length differs');
+    const plain = await client.tokenize({ prompt: 'The capital of France' });
+    const back = await client.detokenize({ token_ids: plain.token_ids });
+    assert.equal(back.text, 'The capital of France', 'Detokenize(Tokenize(text)) is not the text');
+    assert.equal(await finished(), before, 'Tokenize or Detokenize ran a generation');
+    return { max_context_length: info.max_context_length, replicas: loads.replicas.length, chat_tokens: tok.count };
+  },
 };
 
 async function main(argv) {

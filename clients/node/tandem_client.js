@@ -210,6 +210,45 @@ class TandemClient {
     });
   }
 
+  /** One unary call of `method` on the Frontend service, as a Promise of its reply. */
+  unary(method, request = {}, { deadlineMs } = {}) {
+    return new Promise((resolve, reject) => {
+      this.stub[method](request, callMetadata(this.token), callOptions(deadlineMs), (err, reply) =>
+        err ? reject(err) : resolve(reply),
+      );
+    });
+  }
+
+  // The typed control plane: int64 fields arrive as Numbers (integers), never as doubles of a Struct.
+
+  /** GetModelInfo: served_model_name, max_context_length, vocab_size, eos_token_ids, sampling_defaults, ... */
+  getModelInfo(opts) {
+    return this.unary('GetModelInfo', {}, opts);
+  }
+
+  /** GetServerInfo: version, disaggregated, engine_transport, engines [{address, role, ready, kv_role}], ready. */
+  getServerInfo(opts) {
+    return this.unary('GetServerInfo', {}, opts);
+  }
+
+  /** GetLoads: replicas [{address, role, num_running, num_waiting, kv_usage, in_flight, ...}]. */
+  getLoads(opts) {
+    return this.unary('GetLoads', {}, opts);
+  }
+
+  /**
+   * Tokenize (no generation): `{prompt}` or `{messages, add_generation_prompt?}`, optional `model`.
+   * @returns {Promise<{token_ids: number[], count: number, max_context_length: number}>}
+   */
+  tokenize(request, opts) {
+    return this.unary('Tokenize', request, opts);
+  }
+
+  /** Detokenize: `{token_ids, skip_special_tokens?}` -> `{text}`. */
+  detokenize(request, opts) {
+    return this.unary('Detokenize', request, opts);
+  }
+
   /** Closes the channel. */
   close() {
     this.stub.close();

@@ -12,7 +12,8 @@ import pytest
 
 NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 # Every check conformance.js must report as passed; a check that silently disappears fails here.
-EXPECTED_CHECKS = {"generate", "stream", "deadline", "cancel", "invalid_argument", "optional_presence"}
+EXPECTED_CHECKS = {"generate", "stream", "deadline", "cancel", "invalid_argument", "optional_presence",
+                   "control_plane"}
 
 
 @pytest.mark.parametrize("defaults", ["model", "none"])

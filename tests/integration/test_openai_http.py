@@ -121,3 +121,35 @@ def test_tokenize_round_trips_without_generating(http_serve):
     assert status == 200 and chat["count"] > tok["count"]  # the chat template adds its markers
     status, err = _post(http_serve["base"] + "/detokenize", {"tokens": [10 ** 9]})
     assert status == 400 and err["error"]["param"] == "tokens"
+
+
+def test_typed_control_plane_over_grpc_matches_http(http_serve):
+    import grpc
+
+    from tandem.v1 import frontend_pb2, frontend_pb2_grpc
+
+    auth = (("authorization", f"Bearer {TOKEN}"),)
+    with grpc.insecure_channel(http_serve["frontend"]) as channel:
+        stub = frontend_pb2_grpc.FrontendStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModelInfo(frontend_pb2.GetModelInfoRequest(), timeout=10)  # the token check covers them too
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        model = stub.GetModelInfo(frontend_pb2.GetModelInfoRequest(), metadata=auth, timeout=10)
+        assert model.max_context_length > 0 and model.vocab_size >= 49152 and list(model.eos_token_ids)
+        assert model.sampling_defaults.HasField("max_tokens") and model.sampling_defaults.HasField("temperature")
+        tok = stub.Tokenize(frontend_pb2.TokenizeRequest(prompt="The capital of France"), metadata=auth, timeout=10)
+        status, http_tok = _post(http_serve["base"] + "/tokenize", {"prompt": "The capital of France"})
+        assert list(tok.token_ids) == http_tok["tokens"] and tok.count == http_tok["count"]
+        text = stub.Detokenize(frontend_pb2.DetokenizeRequest(token_ids=tok.token_ids), metadata=auth, timeout=10)
+        assert text.text == "The capital of France"
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Tokenize(frontend_pb2.TokenizeRequest(prompt="x", model="other"), metadata=auth, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        loads = stub.GetLoads(frontend_pb2.GetLoadsRequest(), metadata=auth, timeout=10)
+        server = stub.GetServerInfo(frontend_pb2.GetServerInfoRequest(), metadata=auth, timeout=10)
+        assert [r.address for r in loads.replicas] == [e.address for e in server.engines]
+        assert all(r.role == "unified" and not r.error and r.kv_blocks_total > 0 for r in loads.replicas)
+        assert server.ready and server.engine_transport == "mux" and server.frontend_workers == 1
+    with urllib.request.urlopen(urllib.request.Request(http_serve["base"] + "/v1/models",
+                                                       headers={"Authorization": f"Bearer {TOKEN}"})) as resp:
+        assert json.loads(resp.read())["data"][0]["id"] == model.served_model_name

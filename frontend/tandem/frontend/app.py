@@ -151,7 +151,8 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
         relay = AbortRelay(options.relay_dir, options.worker_index, options.num_workers)
     servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(disaggregated or pool, registry),
                                 access=options.security.access_policy(), disaggregated=disaggregated, relay=relay,
-                                trust_kv_callers=options.trust_kv_callers)
+                                trust_kv_callers=options.trust_kv_callers, worker_index=options.worker_index,
+                                num_workers=options.num_workers)
     metrics_host = options.metrics_host if options.metrics_host is not None else options.host
     metrics_endpoint = (
         start_metrics_endpoint(registry, metrics_host, options.metrics_port)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from tandem.frontend import control_plane
 from tandem.frontend.abort_relay import AbortRelay, relayed_caller
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.disaggregation import DisaggregatedPools, LegFailed, TwoLegCall, release_lease
@@ -36,6 +37,7 @@ from tandem.grpc_service import reject_malformed
 from tandem.proto_wire import (
     InvalidRequest,
     adopt_legacy_kv_params,
+    check_prompt_token_ids,
     kv_params_steer,
     kv_transfer_from_metadata,
     kv_transfer_to_proto,
@@ -119,8 +121,10 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
 
     def __init__(self, pool: EnginePool, ids: RequestIdMap, metrics: FrontendMetrics | None = None,
                  access: AccessPolicy | None = None, disaggregated: DisaggregatedPools | None = None,
-                 relay: AbortRelay | None = None, trust_kv_callers: bool = False) -> None:
+                 relay: AbortRelay | None = None, trust_kv_callers: bool = False,
+                 worker_index: int = 0, num_workers: int = 1) -> None:
         self.pool = pool
+        self.worker_index, self.num_workers = worker_index, num_workers  # GetServerInfo reports them
         # Callers may send and see KV transfer parameters beyond `extra` (a router on a private
         # network); off: such parameters are refused and replies carry `extra` only.
         self.trust_kv_callers = trust_kv_callers
@@ -226,6 +230,79 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"command: unknown utility command {cmd}")
         return common_pb2.UtilityResponse(command=cmd, result=to_struct(result))
+
+    # -- the typed control plane -----------------------------------------------------------------------
+    async def _require_builder(self, context) -> None:
+        if self.builder is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "frontend is starting")
+
+    def _replica_roles(self) -> list[tuple[EngineReplica, str]]:
+        if self.disaggregated is None:
+            return [(r, "unified") for r in self.pool.replicas]
+        return ([(r, "prefill") for r in self.disaggregated.prefill.replicas]
+                + [(r, "decode") for r in self.disaggregated.decode.replicas])
+
+    async def GetModelInfo(self, request, context):
+        await reject_malformed(request, context)
+        await self._require_builder(context)
+        pools = self.disaggregated if self.disaggregated is not None else self.pool
+        try:
+            limits = pools.limits_info()
+        except NoEngineAvailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        reporting = next((r.model_info for r in self.pool.replicas if r.model_info), {})
+        return control_plane.model_info(self.builder, limits, reporting)
+
+    async def GetServerInfo(self, request, context):
+        await reject_malformed(request, context)
+        return frontend_pb2.GetServerInfoResponse(
+            version=control_plane.version(), disaggregated=self.disaggregated is not None,
+            engine_transport="mux" if self.pool.multiplexed else "stream",
+            frontend_worker_index=self.worker_index, frontend_workers=self.num_workers,
+            engines=[control_plane.replica_info(r, role) for r, role in self._replica_roles()],
+            ready=self.ready())
+
+    async def GetLoads(self, request, context):
+        await reject_malformed(request, context)
+        roles = self._replica_roles()
+
+        async def load(replica: EngineReplica, role: str):
+            try:
+                return control_plane.replica_load(replica, role, await replica.utility(common_pb2.UTILITY_COMMAND_STATS))
+            except grpc.aio.AioRpcError as exc:
+                return control_plane.replica_load(replica, role, None, exc.code().name)
+
+        loads = await asyncio.gather(*(load(r, role) for r, role in roles))
+        return frontend_pb2.GetLoadsResponse(replicas=loads)
+
+    async def Tokenize(self, request, context):
+        await reject_malformed(request, context)
+        await self._require_builder(context)
+        prompt = frontend_pb2.GenerateRequest(model=request.model, prompt=request.prompt, messages=request.messages)
+        if request.HasField("add_generation_prompt"):
+            prompt.add_generation_prompt = request.add_generation_prompt
+        try:
+            ids = await self.tokenize_prompt(prompt)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TokenizerBusy as exc:
+            context.set_trailing_metadata((("retry-after", "1"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
+        return frontend_pb2.TokenizeResponse(token_ids=ids, count=len(ids),
+                                             max_context_length=self.builder.limits.max_model_len)
+
+    async def Detokenize(self, request, context):
+        await reject_malformed(request, context)
+        await self._require_builder(context)
+        try:
+            ids = check_prompt_token_ids("token_ids", request.token_ids, self.builder.limits.vocab_size)
+            text = await self.detokenize(ids, request.skip_special_tokens)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TokenizerBusy as exc:
+            context.set_trailing_metadata((("retry-after", "1"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
+        return frontend_pb2.DetokenizeResponse(text=text)
 
     def ready(self) -> bool:
         """Serving: the tokenizer is loaded, the frontend is not draining and an engine is ready."""

@@ -107,3 +107,151 @@ class GenerateStreamResponse(_message.Message):
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KVTransferParams, _Mapping]] = ..., legacy_kv_transfer_params: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("served_model_name", "model", "max_context_length", "vocab_size", "eos_token_ids", "sampling_defaults", "sampling_defaults_source", "kv_capacity_tokens", "tokenizer_kind", "has_chat_template", "architecture", "dtype")
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_KIND_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    served_model_name: str
+    model: str
+    max_context_length: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_defaults: _common_pb2.SamplingParams
+    sampling_defaults_source: str
+    kv_capacity_tokens: int
+    tokenizer_kind: str
+    has_chat_template: bool
+    architecture: str
+    dtype: str
+    def __init__(self, served_model_name: _Optional[str] = ..., model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sampling_defaults: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sampling_defaults_source: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., tokenizer_kind: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineReplicaInfo(_message.Message):
+    __slots__ = ("address", "role", "ready", "kv_role", "kv_engine_id", "kv_transports")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    KV_ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: str
+    ready: bool
+    kv_role: str
+    kv_engine_id: str
+    kv_transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., ready: _Optional[bool] = ..., kv_role: _Optional[str] = ..., kv_engine_id: _Optional[str] = ..., kv_transports: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetServerInfoResponse(_message.Message):
+    __slots__ = ("version", "disaggregated", "engine_transport", "frontend_worker_index", "frontend_workers", "engines", "ready")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    disaggregated: bool
+    engine_transport: str
+    frontend_worker_index: int
+    frontend_workers: int
+    engines: _containers.RepeatedCompositeFieldContainer[EngineReplicaInfo]
+    ready: bool
+    def __init__(self, version: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., engine_transport: _Optional[str] = ..., frontend_worker_index: _Optional[int] = ..., frontend_workers: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineReplicaInfo, _Mapping]]] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class GetLoadsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaLoad(_message.Message):
+    __slots__ = ("address", "role", "ready", "num_running", "num_waiting", "waiting_tokens", "kv_usage", "kv_blocks_total", "kv_blocks_used", "state_slots_used", "in_flight", "kv_loading_requests", "kv_leases_active", "error")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    KV_LOADING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASES_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: str
+    ready: bool
+    num_running: int
+    num_waiting: int
+    waiting_tokens: int
+    kv_usage: float
+    kv_blocks_total: int
+    kv_blocks_used: int
+    state_slots_used: int
+    in_flight: int
+    kv_loading_requests: int
+    kv_leases_active: int
+    error: str
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., state_slots_used: _Optional[int] = ..., in_flight: _Optional[int] = ..., kv_loading_requests: _Optional[int] = ..., kv_leases_active: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class GetLoadsResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaLoad]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaLoad, _Mapping]]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("model", "prompt", "messages", "add_generation_prompt")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_generation_prompt: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "count", "max_context_length")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    count: int
+    max_context_length: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., max_context_length: _Optional[int] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids", "skip_special_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

@@ -50,6 +50,31 @@ class FrontendStub:
                 request_serializer=tandem_dot_v1_dot_common__pb2.UtilityRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.UtilityResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/tandem.v1.Frontend/GetModelInfo',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/tandem.v1.Frontend/GetServerInfo',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.GetServerInfoResponse.FromString,
+                _registered_method=True)
+        self.GetLoads = channel.unary_unary(
+                '/tandem.v1.Frontend/GetLoads',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.GetLoadsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.GetLoadsResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tandem.v1.Frontend/Tokenize',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/tandem.v1.Frontend/Detokenize',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class FrontendServicer:
@@ -77,6 +102,42 @@ class FrontendServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The typed control plane: integers are integers, nothing runs a generation.
+        The served model: its name, context length, vocabulary, EOS ids and sampling defaults.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetServerInfo(self, request, context):
+        """This frontend worker and the engine replicas it routes to, with their roles.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLoads(self, request, context):
+        """Per engine replica: running and waiting requests, KV usage, this frontend's in-flight legs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """A prompt's token ids exactly as a generation would see them (chat template included).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontendServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +155,31 @@ def add_FrontendServicer_to_server(servicer, server):
                     servicer.Utility,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.UtilityRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.UtilityResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'GetLoads': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoads,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.GetLoadsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.GetLoadsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.TokenizeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.DetokenizeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +263,141 @@ class Frontend:
             '/tandem.v1.Frontend/Utility',
             tandem_dot_v1_dot_common__pb2.UtilityRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.UtilityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Frontend/GetModelInfo',
+            tandem_dot_v1_dot_frontend__pb2.GetModelInfoRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Frontend/GetServerInfo',
+            tandem_dot_v1_dot_frontend__pb2.GetServerInfoRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Frontend/GetLoads',
+            tandem_dot_v1_dot_frontend__pb2.GetLoadsRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.GetLoadsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Frontend/Tokenize',
+            tandem_dot_v1_dot_frontend__pb2.TokenizeRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Frontend/Detokenize',
+            tandem_dot_v1_dot_frontend__pb2.DetokenizeRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
