@@ -77,9 +77,9 @@ class FrontendArgs(FrontendServingArgs):
     """What `tandem frontend` resolves before it starts one: its engines (or two pools), its
     worker count and how long it waits for the engines to accept connections."""
 
-    engine: list[str] | None = _opt(None, "engine address; repeat for replicas (default: 127.0.0.1:50052); "
-                                          "dns:///NAME:PORT: every address NAME resolves to, followed as it "
-                                          "changes (--engine-resolve-interval)", metavar="HOST:PORT", parse=host_port)
+    engine: list[str] | None = _opt(None, "engine address, or dns:///NAME:PORT for every address NAME resolves "
+                                          "to, followed as it changes (--engine-resolve-interval); repeat for "
+                                          "replicas (default: 127.0.0.1:50052)", metavar="HOST:PORT", parse=host_port)
     prefill_engine: list[str] | None = _opt(None, "disaggregated prefill/decode: a prefill engine (--kv-role "
                                                   "producer or both); repeat for a pool. With --decode-engine, "
                                                   "every request runs a prefill leg here and a decode leg there "

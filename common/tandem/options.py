@@ -83,6 +83,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An interval flag's value: a finite number > 0."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def port_number(text: str) -> int:
     """A port flag's value: an integer in 0..65535 (0: the system picks a free port)."""
     try:
@@ -95,8 +103,9 @@ def port_number(text: str) -> int:
 
 
 def host_port(text: str) -> str:
-    """An address flag's value: HOST:PORT with a port in 1..65535 (IPv6 hosts in brackets)."""
-    host, sep, port = str(text).rpartition(":")
+    """An address flag's value: HOST:PORT with a port in 1..65535 (IPv6 hosts in brackets), or
+    `dns:///NAME:PORT` (every address NAME resolves to, for the flags that follow names)."""
+    host, sep, port = str(text).removeprefix("dns:///").rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1-65535, got {text!r}")
     return str(text)

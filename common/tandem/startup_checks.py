@@ -8,6 +8,7 @@ two tracebacks and an exit code of 0. Each check raises `StartupError(flag, valu
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import time
 from pathlib import Path
@@ -135,6 +136,25 @@ def _load_pem(flag: str, path: str, load, what: str) -> None:
         raise StartupError(flag, path, f"is not a valid {what} ({str(detail).lower().replace('_', ' ')})") from None
 
 
+def _connect_any(host: str, port: int, named: bool) -> None:
+    """Connects to `host:port` (for a `dns:///` name, to the first of the addresses the frontend
+    would resolve it to that accepts); raises OSError when none does."""
+    if named:
+        from tandem.frontend.engine_discovery import HOSTS_FILE_ENV, hosts_file_addresses
+
+        pinned = hosts_file_addresses(os.environ[HOSTS_FILE_ENV], host) if os.environ.get(HOSTS_FILE_ENV) else None
+        for ip in pinned or []:
+            try:
+                with socket.create_connection((ip, port), timeout=2.0):
+                    return
+            except OSError as exc:
+                error = exc
+        if pinned:
+            raise error
+    with socket.create_connection((host, port), timeout=2.0):
+        return
+
+
 def check_engines_reachable(addresses: list[str], timeout: float) -> None:
     """Each engine address resolves and accepts TCP connections within `timeout` seconds (an
     engine that is still loading already listens, so this does not wait for the model). A
@@ -143,15 +163,17 @@ def check_engines_reachable(addresses: list[str], timeout: float) -> None:
     if timeout <= 0:
         return
     for address in addresses:
-        host, sep, port_text = address.rpartition(":")
+        # A `dns:///NAME:PORT` name passes when one of its addresses accepts (the frontend
+        # dials each of them; engines behind it may come and go).
+        host, sep, port_text = address.removeprefix("dns:///").rpartition(":")
         if not sep or not port_text.isdigit():
             raise StartupError("--engine", address, "expected HOST:PORT")
         host = host.strip("[]")
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with socket.create_connection((host, int(port_text)), timeout=2.0):
-                    break
+                _connect_any(host, int(port_text), address.startswith("dns:///"))
+                break
             except OSError as exc:  # a name that does not resolve yet may resolve soon: retried too
                 if time.monotonic() >= deadline:
                     if isinstance(exc, socket.gaierror):

@@ -5,6 +5,13 @@ call with UNAVAILABLE, or whose health check fails, is taken out of rotation unt
 recovers, so a dead engine costs one failed call rather than a hang. The frontend is ready as
 soon as one replica is (readiness quorum of one); the monitor keeps probing the others, and
 each joins the rotation when it first passes and its model matches.
+
+Replicas may also come from DNS names (`dns:///name:port`, `engine_discovery.py`), resolved at
+start and then every `resolve_interval` seconds by the monitor: an address that appears becomes
+a replica (it joins as any other, once healthy and matching); one that disappears is drained: it
+takes no new request, and once nothing is in flight on it (checked from the next round on, so
+a request that picked it just before is counted) its channel is closed and it leaves the pool.
+A failed lookup keeps the name's previous addresses.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import structlog
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.frontend.engine_discovery import EngineName, Resolver, engine_address, parse_engine_name, resolve_name
 from tandem.frontend.engine_mux import MuxChannel
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -42,11 +50,12 @@ class EngineReplica:
     healthy: bool = False
     model_info: dict = field(default_factory=dict)
     mux: MuxChannel | None = None  # the multiplexed subscription, opened on first use
+    draining: bool = False  # its DNS name no longer lists it: no new requests, closed when idle
 
     @property
     def routable(self) -> bool:
-        """Requests may go here: it answers health checks and its model was read."""
-        return self.healthy and bool(self.model_info)
+        """Requests may go here: it answers health checks, its model was read, it is not draining."""
+        return self.healthy and bool(self.model_info) and not self.draining
 
     def open_call(self, request: engine_pb2.EngineRequest, timeout: float | None, metadata, multiplexed: bool):
         """Starts one engine request: a per-request Stream call, or a call on the shared
@@ -76,8 +85,11 @@ class EnginePool:
     """All engine replicas known to this frontend."""
 
     def __init__(self, addresses: list[str], channel_options: list | None = None, credentials=None,
-                 interceptors: list | None = None, transport: str = "stream") -> None:
-        """`credentials` secure the channels (TLS/mTLS); `interceptors` (asyncio client
+                 interceptors: list | None = None, transport: str = "stream", resolve: Resolver | None = None,
+                 resolve_interval: float = 5.0) -> None:
+        """`addresses` are `host:port` addresses and `dns:///name:port` names; `resolve` looks a
+        name up (default `engine_discovery.resolve_name`), again every `resolve_interval`
+        seconds. `credentials` secure the channels (TLS/mTLS); `interceptors` (asyncio client
         interceptors) add per-call metadata such as the engine's bearer token."""
         if not addresses:
             raise ValueError("at least one engine address is needed")
@@ -85,7 +97,7 @@ class EnginePool:
             raise ValueError(f"unknown engine transport {transport!r} (stream or mux)")
         # "stream": one engine Stream call per choice; "mux": one Subscribe stream per replica.
         self.multiplexed = transport == "mux"
-        options = [
+        self._channel_options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.keepalive_time_ms", 20_000),
@@ -95,20 +107,78 @@ class EnginePool:
             ("grpc.initial_reconnect_backoff_ms", 500),
             ("grpc.max_reconnect_backoff_ms", 5_000),
         ] + list(channel_options or [])
+        self._credentials, self._interceptors = credentials, interceptors
+        self.names: list[EngineName] = []
         self.replicas: list[EngineReplica] = []
-        for address in addresses:
-            if credentials is not None:
-                channel = grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
-            else:
-                channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-            self.replicas.append(
-                EngineReplica(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel))
-            )
+        for target in addresses:
+            name = parse_engine_name(target)
+            if name is not None:
+                self.names.append(name)
+            elif target not in (r.address for r in self.replicas):
+                self.replicas.append(self._new_replica(target))
+        self._static = {r.address for r in self.replicas}  # given as addresses: never drained
+        self._resolve = resolve or resolve_name
+        self.resolve_interval = resolve_interval
+        self._resolved: dict[EngineName, list[str]] = {}  # each name's addresses at its last good lookup
+        self._next_resolve = 0.0
         self._monitor: asyncio.Task | None = None
         # The limits the frontend was set up with (from the replicas ready at start); a replica
         # joining later must match them.
         self._reference: dict | None = None
         self._incompatible: set[str] = set()
+
+    def _new_replica(self, address: str) -> EngineReplica:
+        kwargs = {"options": self._channel_options, "interceptors": self._interceptors}
+        if self._credentials is not None:
+            channel = grpc.aio.secure_channel(address, self._credentials, **kwargs)
+        else:
+            channel = grpc.aio.insecure_channel(address, **kwargs)
+        return EngineReplica(address, channel, engine_pb2_grpc.EngineStub(channel), health_pb2_grpc.HealthStub(channel))
+
+    async def refresh(self) -> None:
+        """Looks every name up once: new addresses become replicas, addresses no name lists any
+        more (and that were not given as addresses) start draining, returning ones stop."""
+        if not self.names:
+            return
+        for name in self.names:
+            try:
+                self._resolved[name] = [engine_address(ip, name.port) for ip in await self._resolve(name.host, name.port)]
+            except OSError as exc:  # keep what the last good lookup said
+                log.warning("engine_name_lookup_failed", name=str(name), error=str(exc))
+        listed = {a for addresses in self._resolved.values() for a in addresses}
+        replicas = list(self.replicas)
+        known = {r.address: r for r in replicas}
+        for address in sorted(listed - known.keys()):
+            log.info("engine_discovered", address=address)
+            replicas.append(self._new_replica(address))
+        for r in replicas:
+            if r.address in listed and r.draining:
+                log.info("engine_listed_again", address=r.address)
+                r.draining = False
+            elif r.address not in listed and r.address not in self._static and not r.draining:
+                log.info("engine_draining", address=r.address, reason="its name no longer lists it",
+                         in_flight=r.in_flight)
+                r.draining = True
+        self.replicas = replicas
+
+    async def _maybe_refresh(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if self.names and now >= self._next_resolve:
+            self._next_resolve = now + self.resolve_interval
+            await self.refresh()
+
+    async def _reap(self, drained: set[str]) -> None:
+        """Closes and drops the replicas in `drained` (draining since the last round) that have
+        nothing in flight."""
+        gone = [r for r in self.replicas if r.draining and r.address in drained and r.in_flight == 0]
+        if not gone:
+            return
+        self.replicas = [r for r in self.replicas if r not in gone]
+        for r in gone:
+            log.info("engine_removed", address=r.address)
+            if r.mux is not None:
+                await r.mux.close()
+            await r.channel.close()
 
     async def wait_ready(self, timeout: float = 600.0, poll: float = 0.25) -> None:
         """Waits until at least one replica is ready (a quorum of one: the frontend can serve),
@@ -117,11 +187,14 @@ class EnginePool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            states = await asyncio.gather(*(r.check() for r in self.replicas))
+            await self._maybe_refresh()
+            states = await asyncio.gather(*(r.check() for r in self.replicas if not r.draining))
             if any(states):
                 break
             if loop.time() > deadline:
-                raise TimeoutError(f"no engine replica ready after {timeout:.0f}s: {[r.address for r in self.replicas]}")
+                names = [str(n) for n in self.names]
+                raise TimeoutError(f"no engine replica ready after {timeout:.0f}s: "
+                                   f"{[r.address for r in self.replicas] + names}")
             await asyncio.sleep(poll)
         for r in self.replicas:
             if r.healthy:
@@ -163,7 +236,11 @@ class EnginePool:
             await asyncio.sleep(interval)
 
     async def probe(self) -> None:
-        """One round of health checks; a replica ready for the first time has its model read."""
+        """One round: the names looked up when due, draining replicas with nothing in flight
+        closed, health checks; a replica ready for the first time has its model read."""
+        drained = {r.address for r in self.replicas if r.draining}
+        await self._maybe_refresh()
+        await self._reap(drained)
         await asyncio.gather(*(r.check() for r in self.replicas))
         for r in self.replicas:
             if r.healthy and not r.model_info and r.address not in self._incompatible:
