@@ -10,6 +10,10 @@ Tokens come from a flag, a file or an environment variable. A file or variable m
 tokens separated by whitespace (each is accepted by a server; a client sends the first), which
 lets operators rotate a token without an outage. Tokens never appear in logs, reprs or `--help`.
 
+A server's certificate, key and client CA are re-read when their files change (`ReloadingCertificates`):
+a rotated Kubernetes Secret reaches new connections without a restart; connections already open
+keep the certificate they were made with.
+
 The grpc.health.v1 service is deliberately exempt from the token check: Kubernetes gRPC probes
 cannot send metadata, and health status reveals nothing worth protecting. TLS and mTLS still
 apply to it, because they are enforced by the transport before any RPC is dispatched.
@@ -218,15 +222,13 @@ class SecurityOptions:
 
     # -- server side ---------------------------------------------------------------------------
     def server_credentials(self) -> grpc.ServerCredentials | None:
-        """TLS credentials (mTLS when a client CA is set), or None for a plaintext port."""
+        """TLS credentials (mTLS when a client CA is set) that follow the files as they are
+        rotated (`ReloadingCertificates`), or None for a plaintext port."""
         if not self.server_tls:
             return None
-        client_ca = _read(self.tls_client_ca, "tls-client-ca")
-        return grpc.ssl_server_credentials(
-            [(_read(self.tls_key, "tls-key"), _read(self.tls_cert, "tls-cert"))],
-            root_certificates=client_ca,
-            require_client_auth=client_ca is not None,
-        )
+        certificates = ReloadingCertificates(self.tls_cert, self.tls_key, self.tls_client_ca)
+        return grpc.dynamic_ssl_server_credentials(certificates.initial(), certificates.fetch,
+                                                   require_client_authentication=self.mtls)
 
     def server_ssl_context(self):
         """The same server TLS (and mTLS) as `server_credentials`, for the HTTP face; None for plaintext."""
@@ -283,6 +285,61 @@ class SecurityOptions:
         if self.auth and not tls and not loopback:
             log.warning("auth_token_without_tls", side=side,
                         hint="the token crosses the network in clear text unless a mesh encrypts it")
+
+
+class ReloadingCertificates:
+    """A server's certificate, key and client CA files, read again when one of them changes.
+
+    `fetch` is gRPC's certificate-configuration fetcher: called at each new TLS handshake, it
+    returns None while the files are unchanged (their mtime, size and inode, symlinks followed, so
+    the atomic `..data` swap of a mounted Kubernetes Secret counts) and a new configuration once
+    they changed. A half-written rotation (unreadable files, or a key that does not match the
+    certificate) keeps the current configuration and is retried at the next handshake.
+    """
+
+    def __init__(self, cert: str, key: str, client_ca: str | None = None) -> None:
+        self.paths = tuple(p for p in (cert, key, client_ca) if p is not None)
+        self.cert, self.key, self.client_ca = cert, key, client_ca
+        self._stamp: tuple | None = None  # the files' state when the configuration in use was read
+        self._refused: tuple | None = None  # a state found unusable (warned about once)
+
+    def _stamp_now(self) -> tuple:
+        stats = [os.stat(p) for p in self.paths]
+        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in stats)
+
+    def _load(self) -> grpc.ServerCertificateConfiguration:
+        """The configuration of the files as they are now; raises on an unusable set."""
+        import ssl
+
+        key, cert = _read(self.key, "tls-key"), _read(self.cert, "tls-cert")
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)  # the pair matches
+        client_ca = _read(self.client_ca, "tls-client-ca")
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
+
+    def initial(self) -> grpc.ServerCertificateConfiguration:
+        """The configuration the server starts with (errors raise: the server must not start)."""
+        stamp = self._stamp_now()
+        config = self._load()
+        self._stamp = stamp
+        return config
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """A new configuration when the files changed since the last one, else None."""
+        stamp = None
+        try:
+            stamp = self._stamp_now()
+            if stamp in (self._stamp, self._refused):
+                return None
+            config = self._load()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; SecurityConfigError a ValueError
+            if stamp is None or stamp != self._refused:
+                log.warning("tls_certificate_reload_failed", files=list(self.paths), error=str(exc),
+                            hint="the current certificate stays in use until the files change again")
+            self._refused = stamp
+            return None
+        self._stamp = stamp
+        log.info("tls_certificate_reloaded", cert=self.cert)
+        return config
 
 
 def add_port(server, address: str, security: SecurityOptions | None) -> int:
