@@ -25,6 +25,7 @@ from tandem.cli_options import (
     DEFAULT_ENGINE_ADDRESS,
     ClientArgs,
     EngineCoreArgs,
+    EngineMetricsArgs,
     EngineServerArgs,
     FrontendArgs,
     FrontendServingArgs,
@@ -83,6 +84,14 @@ def _engine_metrics_argv(args, offset: int = 0) -> list[str]:
         raise StartupError("--engine-metrics-port", args.engine_metrics_port,
                            "must differ from --metrics-port (two processes)")
     return ["--metrics-host", args.metrics_host or args.engine_host, "--metrics-port", str(args.engine_metrics_port)]
+
+
+def _engine_metrics_naming_argv(args) -> list[str]:
+    """`serve`: how its engine children name their metrics (vLLM aliases, the served name)."""
+    argv = ["--metrics-names", args.metrics_names]
+    if args.served_model_name:
+        argv += ["--served-model-name", args.served_model_name]
+    return argv
 
 
 def _fault_after_steps() -> int | None:
@@ -325,7 +334,7 @@ def cmd_serve(args) -> int:
          "--default-max-tokens", str(frontend_options.default_max_tokens),
          "--drain-timeout", str(frontend_options.drain_timeout)]
         + _engine_flags(args) + role_argv + ["--engine-core", args.engine_core] + child_security_argv
-        + metrics_argv
+        + metrics_argv + _engine_metrics_naming_argv(args)
         + (["--enable-reflection"] if frontend_options.enable_reflection else []),
         env={**_child_env(args.engine_parser), **child_env, SERVE_PARENT_ENV: str(os.getpid())},
         # Their own process group: a terminal's Ctrl-C reaches this process alone, which drains
@@ -620,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
         options.add_flags(serve, ServeArgs, {"frontend_workers": "auto"}, title="engine child and frontend workers")
         options.add_flags(serve, EngineCoreArgs, title="engine core")
         options.add_flags(serve, MetricsArgs, title="metrics (the frontend's)")
+        options.add_flags(serve, EngineMetricsArgs, title="metrics (the engine child's)")
         add_security_args(serve, admin=True)  # clients → frontend
         add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
         serve.set_defaults(fn=cmd_serve)
@@ -628,6 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_flags(engine)
         options.add_flags(engine, EngineServerArgs, title="engine server")
         options.add_flags(engine, MetricsArgs, title="metrics")
+        options.add_flags(engine, EngineMetricsArgs, title="metrics")
         options.add_flags(engine, EngineCoreArgs, title="engine core")
         add_security_args(engine)
         engine.set_defaults(fn=cmd_engine)

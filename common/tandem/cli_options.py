@@ -50,6 +50,8 @@ class EngineServerArgs(ServerArgs):
 
     host: str = _redefault(ServerArgs, "host", "127.0.0.1")
     port: int = _redefault(ServerArgs, "port", 50052)
+    served_model_name: str | None = _opt(None, "the model's name in metric labels (model_name), as the frontend "
+                                               "serves it (default: --model)")
 
 
 @dataclass
@@ -151,6 +153,15 @@ class MetricsArgs:
     metrics_host: str | None = _opt(None, "Prometheus endpoint bind address (default: the service's own --host; the engine child's: --engine-host)")
     metrics_port: int | None = _opt(None, "serve Prometheus metrics on this port; off when not given",
                                     parse=port_number)
+
+
+@dataclass
+class EngineMetricsArgs:
+    """How an engine names its Prometheus metrics (`tandem engine`, and `serve`'s engine child)."""
+
+    metrics_names: str = _opt("tandem", "engine metric names: tandem:* only, or vllm: also the vLLM-named families "
+                                        "gateways and dashboards read (vllm:num_requests_waiting, "
+                                        "vllm:kv_cache_usage_perc, ...) as aliases", choices=("tandem", "vllm"))
 
 
 @dataclass

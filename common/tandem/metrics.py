@@ -13,7 +13,7 @@ import leaks into the scrape.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import structlog
 from prometheus_client import (
@@ -24,6 +24,8 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +59,38 @@ def token_buckets(max_len: int) -> tuple[int, ...]:
 def name(base: str) -> str:
     """`tandem:<base>`: the one place the prefix is applied."""
     return PREFIX + base
+
+
+VLLM_PREFIX = "vllm:"
+
+
+def renamed(metric: Metric, prefix: str) -> Metric:
+    """A copy of `metric` (a `tandem:` family) under `prefix`: its name and its samples' names
+    (`_total`, `_bucket`, `_sum`, `_count`) with `tandem:` replaced; labels and values shared."""
+    copy = Metric(prefix + metric.name[len(PREFIX):], metric.documentation, metric.type, metric.unit)
+    copy.samples = [s._replace(name=prefix + s.name[len(PREFIX):]) for s in metric.samples]
+    return copy
+
+
+class AliasCollector(Collector):
+    """Re-exposes chosen `tandem:` families of `sources` under `prefix` (`vllm:` for the
+    gateways and dashboards that read vLLM's names) at scrape time.
+
+    The aliases are made while a scrape runs, from the sources' own samples: no second
+    observation per token, and an alias can never disagree with its original. `bases` are the
+    names without prefix (`num_requests_waiting`); families of the sources not listed are left out.
+    """
+
+    def __init__(self, sources: Iterable[Collector], bases: Iterable[str], prefix: str = VLLM_PREFIX) -> None:
+        self._sources = list(sources)
+        self._names = {PREFIX + b for b in bases}
+        self._prefix = prefix
+
+    def collect(self) -> Iterable[Metric]:
+        for source in self._sources:
+            for metric in source.collect():
+                if metric.name in self._names:
+                    yield renamed(metric, self._prefix)
 
 
 def new_registry(process_metrics: bool = True) -> CollectorRegistry:

@@ -15,12 +15,17 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOKEN = "http-test-token"
 
 
+SERVED = "gateway-model"
+
+
 @pytest.fixture(scope="module")
 def http_serve(launch_serve, get_free_port):
-    port = get_free_port()
-    _, frontend, _ = launch_serve(["--http-port", str(port), "--frontend-workers", "1"],
+    # One server for the module: HTTP on, a served name, and the engine's metrics with vLLM names.
+    port, metrics_port = get_free_port(), get_free_port()
+    _, frontend, _ = launch_serve(["--http-port", str(port), "--frontend-workers", "1", "--served-model-name", SERVED,
+                                   "--engine-metrics-port", str(metrics_port), "--metrics-names", "vllm"],
                                   env={"TANDEM_AUTH_TOKEN": TOKEN})
-    return {"base": f"http://127.0.0.1:{port}", "frontend": frontend}
+    return {"base": f"http://127.0.0.1:{port}", "frontend": frontend, "metrics": f"http://127.0.0.1:{metrics_port}"}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +48,7 @@ def _post(url: str, body: dict, token: str | None = TOKEN) -> tuple[int, dict]:
 
 def test_lists_the_served_model(oai):
     models = oai.models.list()
-    ids = [m.id for m in models.data]
-    assert len(ids) == 1 and ids[0]
+    assert [m.id for m in models.data] == [SERVED]
     assert models.data[0].owned_by == "tandem"
 
 
@@ -153,3 +157,20 @@ def test_typed_control_plane_over_grpc_matches_http(http_serve):
     with urllib.request.urlopen(urllib.request.Request(http_serve["base"] + "/v1/models",
                                                        headers={"Authorization": f"Bearer {TOKEN}"})) as resp:
         assert json.loads(resp.read())["data"][0]["id"] == model.served_model_name
+
+
+def test_engine_metrics_carry_vllm_names_and_the_served_name(oai, http_serve):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    oai.completions.create(model=SERVED, prompt="Hello", max_tokens=2)  # at least one finished request
+    with urllib.request.urlopen(http_serve["metrics"] + "/metrics", timeout=30) as resp:
+        families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+    for family in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                   "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_success",
+                   "vllm:prompt_tokens", "vllm:generation_tokens", "tandem:num_requests_waiting"):
+        assert family in families, family
+        assert {s.labels["model_name"] for s in families[family].samples} == {SERVED}, family
+    assert families["vllm:num_requests_waiting"].type == "gauge"
+    finished = sum(s.value for s in families["vllm:request_success"].samples if s.name.endswith("_total"))
+    assert finished >= 1
+    assert "vllm:lora_requests_info" in families

@@ -101,6 +101,37 @@ def test_step_listener_times_tokens_and_counts_endings():
     assert metrics._last_token_time == {}  # nothing kept for ended requests
 
 
+def test_vllm_names_alias_the_gateway_families_with_the_served_name():
+    engine = _fake_core_client()
+    metrics = EngineMetrics(engine, "served-name", names="vllm")
+    engine.stats_snapshot = _snapshot(num_running=3, num_waiting=2, kv_usage=0.25, prompt_tokens_total=40)
+    metrics.on_step([StepOutput("a", new_token_ids=[1], arrival_time=1.0)], 0.01, True)
+    r = metrics.registry
+    served = {"model_name": "served-name"}
+    for base, value in (("num_requests_running", 3), ("num_requests_waiting", 2), ("kv_cache_usage_perc", 0.25),
+                        ("prompt_tokens_total", 40), ("time_to_first_token_seconds_count", 1)):
+        assert _value(r, f"vllm:{base}", **served) == value, base
+        assert _value(r, f"tandem:{base}", **served) == value, base  # the tandem: names stay
+    assert _value(r, "vllm:request_success_total", finished_reason="stop", **served) == 0
+    assert r.get_sample_value("vllm:request_success_total", {"finished_reason": "stop", **served}) is not None
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(r).decode())}
+    assert families["vllm:num_requests_waiting"].type == "gauge"
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+    assert families["vllm:request_success"].type == "counter"
+    assert families["vllm:lora_requests_info"].samples[0].labels["max_lora"] == "0"
+    assert "vllm:engine_steps" not in families  # Tandem's own families keep their one name
+    # A later snapshot shows through the alias at the next scrape (nothing is copied ahead).
+    engine.stats_snapshot = _snapshot(num_waiting=7)
+    assert _value(r, "vllm:num_requests_waiting", **served) == 7
+
+
+def test_tandem_names_by_default():
+    r = EngineMetrics(_fake_core_client(), "m").registry
+    assert not [f for f in text_string_to_metric_families(generate_latest(r).decode()) if f.name.startswith("vllm:")]
+    with pytest.raises(ValueError):
+        EngineMetrics(_fake_core_client(), "m", names="other")
+
+
 def test_frontend_tracker_records_one_request():
     m = FrontendMetrics()
     r = m.registry

@@ -18,7 +18,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
-from tandem.cli_options import EngineCoreArgs, EngineServerArgs, MetricsArgs
+from tandem.cli_options import EngineCoreArgs, EngineMetricsArgs, EngineServerArgs, MetricsArgs
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.api.core_client import CoreClient
 from tandem.engine_service.api.metrics import EngineMetrics
@@ -38,7 +38,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
-class EngineServerOptions(EngineServerArgs, MetricsArgs, EngineCoreArgs):
+class EngineServerOptions(EngineServerArgs, MetricsArgs, EngineMetricsArgs, EngineCoreArgs):
     """Everything `serve_engine` needs besides the engine's config.
 
     The settings that are flags (address, request defaults, reflection, metrics, where the core
@@ -123,7 +123,8 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
         return 1
     fatal = asyncio.Event()
     core.on_fatal = lambda message: fatal.set()  # called on the event loop
-    EngineMetrics(core, config.model.model, registry)  # before start: it adds a step listener
+    # Before start: it adds a step listener. model_name is the name clients use.
+    EngineMetrics(core, options.served_model_name or config.model.model, registry, names=options.metrics_names)
     core.start(loop)
     info = core.info
     defaults = load_generation_defaults(config.model.generation_config, config.model.model, info.model_path)

@@ -11,7 +11,11 @@ Two sources, chosen so the engine core pays nothing:
   histogram observation per sequence that produced a token, plus a few at its end.
 
 The three gauges the Gateway API inference extension reads are `tandem:num_requests_waiting`,
-`tandem:num_requests_running` and `tandem:kv_cache_usage_perc`.
+`tandem:num_requests_running` and `tandem:kv_cache_usage_perc`. With `--metrics-names vllm` the
+families vLLM also has (`VLLM_ALIASES`) are exposed a second time under `vllm:` (an
+`AliasCollector`, made at scrape time), plus `vllm:lora_requests_info` (no adapters), so the
+GIE endpoint picker and the llm-d dashboards read this engine as they read vLLM. `model_name`
+is the served name (`--served-model-name`, else `--model`).
 """
 
 from __future__ import annotations
@@ -30,12 +34,22 @@ from tandem.metrics import (
     REQUEST_LATENCY_BUCKETS,
     STEP_BUCKETS,
     TTFT_BUCKETS,
+    VLLM_PREFIX,
+    AliasCollector,
     name,
     new_registry,
     token_buckets,
 )
 
 LABELS = ["model_name"]
+
+# The families whose name and meaning are vLLM's, aliased under `vllm:` with --metrics-names vllm.
+VLLM_ALIASES = (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
+    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "cache_config_info",
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "request_prompt_tokens", "request_generation_tokens", "request_success",
+)
 
 # (metric base name, snapshot key, help) for the values read from the stats snapshot.
 _GAUGES = (
@@ -97,20 +111,37 @@ class _SnapshotCollector(Collector):
         yield info
 
 
-class EngineMetrics:
-    """Registers the engine's metrics and listens to its steps (see the module docstring)."""
+class _LoraInfoCollector(Collector):
+    """`vllm:lora_requests_info` as vLLM exposes it without adapters: GIE's LoRA-affinity
+    scorer reads its labels (`max_lora` 0, no running or waiting adapters)."""
 
-    def __init__(self, engine: CoreClient, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def collect(self) -> Iterable[Metric]:
+        g = GaugeMetricFamily(VLLM_PREFIX + "lora_requests_info", "Running and waiting LoRA adapters (none: Tandem "
+                              "serves no adapters); the value is the scrape time.",
+                              labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        g.add_metric(["0", "", ""], time.time())
+        yield g
+
+
+class EngineMetrics:
+    """Registers the engine's metrics and listens to its steps (see the module docstring).
+
+    `names`: "tandem" (the `tandem:` families only) or "vllm" (also `vllm:` aliases)."""
+
+    def __init__(self, engine: CoreClient, model_name: str, registry: CollectorRegistry | None = None,
+                 names: str = "tandem") -> None:
         self.registry = registry if registry is not None else new_registry(process_metrics=False)
         self._engine = engine
         info = engine.info
-        self.registry.register(
-            _SnapshotCollector(engine, model_name, info.block_size, info.kv_blocks, info.enable_prefix_caching)
-        )
+        snapshot = _SnapshotCollector(engine, model_name, info.block_size, info.kv_blocks, info.enable_prefix_caching)
+        self.registry.register(snapshot)
         r = self.registry
+        families: list[Collector] = [snapshot]
 
         def hist(base: str, help_text: str, buckets) -> Histogram:
-            return Histogram(name(base), help_text, LABELS, buckets=buckets, registry=r).labels(model_name)
+            parent = Histogram(name(base), help_text, LABELS, buckets=buckets, registry=r)
+            families.append(parent)
+            return parent.labels(model_name)
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival at the engine to the first generated token.",
                          TTFT_BUCKETS)
@@ -131,6 +162,12 @@ class EngineMetrics:
         # Children made up front: every reason's series exists from the start (rate() needs it)
         # and the listener does a dict lookup instead of a labels() call.
         self.success = {reason: success.labels(model_name, reason.value) for reason in FinishReason}
+        families.append(success)
+        if names == "vllm":
+            r.register(AliasCollector(families, VLLM_ALIASES))
+            r.register(_LoraInfoCollector())
+        elif names != "tandem":
+            raise ValueError(f"metric names: expected 'tandem' or 'vllm', got {names!r}")
         self._last_token_time: dict[str, float] = {}
         engine.step_listeners.append(self.on_step)
 
