@@ -401,7 +401,10 @@ def cmd_serve(args) -> int:
         address = f"{_connect_host(args.host)}:{args.port}"
         shape = (f" (disaggregated: prefill engine {engine_addr}, decode engine {decode_addr})"
                  if decode_port is not None else "")
-        print(f"Tandem is ready: {args.served_model_name or args.model} at {address}{shape} "
+        scheme = "https" if frontend_options.security.server_tls else "http"
+        http = (f"; OpenAI HTTP at {scheme}://{_connect_host(args.host)}:{args.http_port}/v1"
+                if args.http_port is not None else "")
+        print(f"Tandem is ready: {args.served_model_name or args.model} at {address}{shape}{http} "
               f"(try: {_invoked_as()} chat --address {address} \"Hello\")", flush=True)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
