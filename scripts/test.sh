@@ -9,4 +9,6 @@ export TANDEM_CACHE_DIR="${TANDEM_CACHE_DIR:-$PWD/.cache/models}"
 # The layer contracts (pyproject.toml [tool.importlinter]): the frontend imports neither torch nor
 # the engine, the engine's rooms import only downwards.
 .venv/bin/lint-imports --no-cache
+# deploy/: the Helm chart rendered and validated, manifests, Envoy config, Dockerfile lint (a few seconds).
+bash scripts/check_deploy.sh
 exec .venv/bin/pytest -q "$@"
