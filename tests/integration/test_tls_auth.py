@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
 import secrets
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -94,7 +98,8 @@ def _creds(ca: Path, cert_key: tuple[Path, Path] | None = None) -> grpc.ChannelC
 
 # -- one secured `tandem serve` ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory, launch_serve):
+def secured(tmp_path_factory, launch_serve, get_free_port):
+    free_port = get_free_port
     d = tmp_path_factory.mktemp("pki")
     public, internal, rogue = (CertificateAuthority(d, n) for n in ("public-ca", "internal-ca", "rogue-ca"))
     frontend_token, engine_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
@@ -119,11 +124,13 @@ def secured(tmp_path_factory, launch_serve):
         "--engine-tls-ca", str(internal.path),
         "--engine-tls-client-cert", str(fe_client_cert), "--engine-tls-client-key", str(fe_client_key),
     ]
+    http_port = free_port()
+    extra += ["--http-port", str(http_port)]  # the OpenAI HTTP face: the same TLS, mTLS and token
     server, frontend, engine = launch_serve(
         extra, env={"TANDEM_ENGINE_AUTH_TOKEN": engine_token},
         credentials=_creds(public.path, pki["client"]),
     )
-    yield {"frontend": frontend, "engine": engine, "server": server, "pki": pki,
+    yield {"frontend": frontend, "engine": engine, "server": server, "pki": pki, "http_port": http_port,
            "frontend_token": frontend_token, "engine_token": engine_token, "token_file": token_file}
 
 
@@ -266,3 +273,31 @@ def test_engine_token_never_on_a_command_line(secured):
             engine_children.append(entry)
     assert len(engine_children) == 1  # the scan saw the engine child ...
     assert needle in (engine_children[0] / "environ").read_bytes()  # ... which got its token by env
+
+
+def _https(s, path: str, token: str | None, client_cert: str | None = "client"):
+    """GET https://127.0.0.1:<http_port><path>: (status, JSON body)."""
+    pki = s["pki"]
+    context = ssl.create_default_context(cafile=str(pki["public_ca"]))
+    if client_cert is not None:
+        cert, key = pki[client_cert]
+        context.load_cert_chain(str(cert), str(key))
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(f"https://127.0.0.1:{s['http_port']}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(req, context=context, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_http_port_has_the_same_tls_mtls_and_token(secured):
+    status, body = _https(secured, "/v1/models", secured["frontend_token"])
+    assert status == 200 and body["data"][0]["id"]
+    assert _https(secured, "/v1/models", None)[0] == 401
+    assert _https(secured, "/v1/models", "not-the-token")[0] == 403
+    assert _https(secured, "/health", None) == (200, {"status": "SERVING"})  # probes: TLS, no token
+    with pytest.raises(OSError):  # mTLS: no client certificate, no connection
+        _https(secured, "/health", None, client_cert=None)
+    with pytest.raises(OSError):  # no plaintext on the TLS port
+        urllib.request.urlopen(f"http://127.0.0.1:{secured['http_port']}/health", timeout=10)
