@@ -480,7 +480,7 @@ def _format_plan(plan: dict) -> str:
 def cmd_plan(args) -> int:
     """The engine's memory plan for a model on a GPU of `--gpu-memory` usable bytes, computed
     on the meta device (nothing allocated, no GPU needed)."""
-    from tandem.engine_service.worker.serving_plan import plan_serving
+    from tandem.engine_service.worker.serving_plan import WeightsDoNotFit, plan_serving
 
     try:
         config = _engine_config(args)
@@ -488,8 +488,10 @@ def cmd_plan(args) -> int:
         raise StartupError(exc.flag, exc.value, exc.reason) from None
     try:
         plan = plan_serving(config, args.gpu_memory)
+    except WeightsDoNotFit as exc:
+        raise StartupError("--gpu-memory", args.gpu_memory, str(exc)) from None
     except ValueError as exc:
-        raise StartupError("--gpu-memory" if "fit" in str(exc) else "--model", None, str(exc)) from None
+        raise StartupError("--model", args.model, str(exc)) from None
     report = plan.as_dict(args.context_length or [plan.max_model_len])
     print(json.dumps(report, indent=2) if args.json else _format_plan(report))
     return 0

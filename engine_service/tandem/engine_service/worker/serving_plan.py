@@ -28,6 +28,10 @@ from tandem.engine_service.cache.memory_plan import (
 )
 from tandem.engine_service.config import EngineConfig
 
+class WeightsDoNotFit(ValueError):
+    """The planned GPU memory is not larger than the model's weights."""
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -147,7 +151,7 @@ def plan_serving(config: EngineConfig, gpu_memory_bytes: int | None = None) -> S
     budget = None
     if gpu_memory_bytes is not None:
         if gpu_memory_bytes <= weights:
-            raise ValueError(f"the weights ({weights} B) do not fit in {gpu_memory_bytes} B")
+            raise WeightsDoNotFit(f"the weights ({weights:,} B) do not fit in {gpu_memory_bytes:,} B")
         budget = budget_from_free(gpu_memory_bytes - weights, config.cache)
     layout = model.cache_layout(torch_dtype_name(dtype))
     memory = plan_model_cache(layout, arch, config, device, dtype, max_len, budget)
