@@ -110,7 +110,7 @@ def serve_child(args: argparse.Namespace) -> int:
         from tandem.engine_service.kv_connector.nixl_transport import NixlEndpoint
 
         nixl = NixlEndpoint("kv-check-producer", io)
-    server = KVPullServer("127.0.0.1", 0, leases, io.read_block_views,
+    server = KVPullServer("127.0.0.1", 0, leases, io.iter_block_views,
                           ipc_export=(lambda: ipc.export_handles(io)) if ipc is not None else None,
                           nixl_export=nixl.memory if nixl is not None else None).start()
     print(json.dumps({"port": server.port, "leases": lease_ids}), flush=True)

@@ -98,7 +98,7 @@ def build_kv_connector(config: KVTransferConfig, block_manager: BlockManager, ru
         nixl_export = (lambda: nixl().memory()) if nixl is not None else None
         if config.transport == "nixl" and nixl is not None:
             nixl()
-        server = KVPullServer(host, port, leases, block_io.read_block_views, ipc_export=export,
+        server = KVPullServer(host, port, leases, block_io.iter_block_views, ipc_export=export,
                               nixl_export=nixl_export,
                               read_state=state_io.read_slot if state_io is not None else None,
                               credentials=credentials).start()

@@ -1,9 +1,11 @@
 """TCP transport: the producer's KV pull server and the consumer's pull (any host, CPU or GPU).
 
 `KVPullServer` (producer) listens on the engine's KV address; one thread per connection serves
-one message (`wire.py`): a `PullRequest` is answered with one `BlockFrame` per block (bytes read
-by `read_blocks`, CRC32 computed before sending), a `StateFrame` when the request names the
-lease's state slot (hybrid models; bytes by `read_state`, CRC32 likewise) and a `PullEnd`; a lease it does not hold, or a
+one message (`wire.py`): a `PullRequest` is answered with one `BlockFrame` per block followed by
+its raw bytes (read by `read_blocks`, lazily: a chunk's device-to-host copy overlaps the sending;
+each block's CRC32 computed on a helper thread while the block before it is sent), a `StateFrame`
+when the request names the lease's state slot (hybrid models; bytes by `read_state`, CRC32
+likewise) and a `PullEnd`; a lease it does not hold, or a
 block id outside the lease, or a state slot that is not the lease's, gets a `PullError`. A CUDA IPC or NIXL handshake is answered with
 what the consumer needs to copy the blocks itself, and the connection stays open until it did. The lease is pinned while its blocks are read and
 released when the connection ends, whatever happened. The server never touches the block
@@ -16,10 +18,12 @@ whose prompt digest differs from the lease's, or that names blocks outside the l
 lease's order or twice, is refused and the lease released (the lease was presented with its
 secret, so its holder gave up on it).
 
-`pull` (consumer) sends the request and checks every frame: its length before reading it (no
-frame longer than the largest block or state plus an envelope is read), the CRC32, the block's
-(state's) size, that each requested (group, index) comes exactly once, the state exactly once
-when requested and never otherwise, and the closing count. Any mismatch raises `TransferError`
+`pull` (consumer) sends the request and checks every frame: its length before reading it (a
+frame is an envelope; no longer one is read), the block's (state's) announced size against its
+own before its bytes are received — straight into the row preallocated for that block, so a peer's
+field never sizes an allocation —, that each requested (group, index) comes exactly once, the state exactly once
+when requested and never otherwise, the CRC32 (on a helper thread while the next block arrives;
+the first mismatch in request order is reported), and the closing count. Any mismatch raises `TransferError`
 with what was wrong and its `kind`: "refused" (the producer refused what the consumer was given:
 the caller's parameters are wrong, INVALID_ARGUMENT) or "unavailable" (the producer could not be
 reached, the stream broke or arrived corrupted: retryable); the caller fails the request.
@@ -30,8 +34,11 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import structlog
 
 from tandem.engine_service.kv_connector.auth import KVCredentials, secret_matches
@@ -52,13 +59,47 @@ from tandem.engine_service.kv_connector.wire import (
     checksum,
     frame_limit,
     recv_message,
+    recv_payload_into,
     send_message,
 )
 
 log = structlog.get_logger(__name__)
 
-BlockReader = Callable[[int, list[int]], Sequence[bytes | memoryview]]  # bytes-like, one per block
+# bytes-like, one per block, in order; may be produced lazily (`KVBlockIO.iter_block_views`)
+BlockReader = Callable[[int, list[int]], Iterable[bytes | memoryview]]
 StateReader = Callable[[int], bytes]
+# Kernel socket buffers asked for on both ends of a pull (Linux caps them at net.core.[rw]mem_max;
+# a buffer already larger is kept).
+SOCKET_BUFFER_BYTES = 16 << 20
+# Helper threads per pull end computing block CRC32s (zlib's runs at a few GB/s on one core).
+CRC_THREADS = 2
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """No Nagle delay; send and receive buffers of at least `SOCKET_BUFFER_BYTES` where allowed."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, opt) < SOCKET_BUFFER_BYTES:
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        except OSError:
+            pass
+
+
+def _with_checksums(items: Iterable[tuple[int, int, bytes | memoryview]], pool: ThreadPoolExecutor
+                    ) -> Iterator[tuple[int, int, bytes | memoryview, int]]:
+    """(group, index, data, crc32) for each item, in order; the CRC32s of the next `CRC_THREADS`
+    items are computed on `pool` while the caller sends the current one (zlib releases the GIL
+    over large buffers, so a pull is not held to one core's CRC32 speed)."""
+    pending: deque[tuple[tuple[int, int, bytes | memoryview], Future[int]]] = deque()
+    for item in items:
+        pending.append((item, pool.submit(checksum, item[2])))
+        if len(pending) > CRC_THREADS:
+            done, crc = pending.popleft()
+            yield (*done, crc.result())
+    while pending:
+        done, crc = pending.popleft()
+        yield (*done, crc.result())
 
 
 class TransferError(RuntimeError):
@@ -130,7 +171,7 @@ class KVPullServer:
         lease_id = None
         try:
             conn.settimeout(60)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_socket(conn)
             if self._tls is not None:
                 conn = self._tls.wrap_socket(conn, server_side=True)
             msg = recv_message(conn, MAX_REQUEST_BYTES)
@@ -188,12 +229,13 @@ class KVPullServer:
                 send_message(conn, PullError(message=f"state slot {msg.state_slot} is not in the lease"))
                 return
         n = 0
-        for g, ids in enumerate(msg.block_ids):
-            for j, data in enumerate(self.read_blocks(g, ids)):
-                crc = checksum(data)
+        blocks = ((g, j, data) for g, ids in enumerate(msg.block_ids)
+                  for j, data in enumerate(self.read_blocks(g, ids)))
+        with ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="tandem-kv-crc") as pool:
+            for g, j, data, crc in _with_checksums(blocks, pool):
                 if self.tamper is not None:
                     data = self.tamper(bytes(data))
-                send_message(conn, BlockFrame(group=g, index=j, data=data, crc32=crc))
+                send_message(conn, BlockFrame(group=g, index=j, nbytes=len(data), crc32=crc), data)
                 n += 1
         if msg.state_slot is not None:
             assert self.read_state is not None
@@ -201,7 +243,7 @@ class KVPullServer:
             crc = checksum(data)
             if self.tamper_state is not None:
                 data = self.tamper_state(data)
-            send_message(conn, StateFrame(slot=msg.state_slot, data=data, crc32=crc))
+            send_message(conn, StateFrame(slot=msg.state_slot, nbytes=len(data), crc32=crc), data)
             n += 1
         self.frames_sent += n
         send_message(conn, PullEnd(num_frames=n))
@@ -241,7 +283,7 @@ def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | None = N
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
         raise TransferError(f"cannot reach the KV producer at {host}:{port}: {exc}") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tune_socket(sock)
     if tls is not None:
         try:
             sock = tls.wrap_socket(sock, server_hostname=host)
@@ -259,63 +301,79 @@ def refusal(msg: PullError) -> TransferError:
 
 
 class Pulled:
-    """What one pull brought: per group, the blocks' bytes in request order; the state's bytes
-    (None when no state slot was requested)."""
+    """What one pull brought: per group, the blocks' bytes in request order (`blocks[g][j]`, a view
+    of row j of `rows[g]`, the `[n, block_bytes]` uint8 array they were received into); the
+    state's bytes (None when no state slot was requested)."""
 
-    __slots__ = ("blocks", "state")
+    __slots__ = ("blocks", "rows", "state")
 
-    def __init__(self, blocks: list[list[bytes]], state: bytes | None) -> None:
-        self.blocks = blocks
+    def __init__(self, rows: list[np.ndarray], state: bytes | None) -> None:
+        self.rows = rows
+        self.blocks = [[memoryview(r[j]) for j in range(r.shape[0])] for r in rows]
         self.state = state
 
 
 def pull(sock: socket.socket, lease_id: str, block_ids: list[list[int]], block_bytes: list[int],
          state_slot: int | None = None, state_bytes: int = 0, *, token: str = "", lease_secret: str = "",
-         prompt_digest: str = "") -> Pulled:
+         prompt_digest: str = "", rows: list[np.ndarray] | None = None) -> Pulled:
     """Pull `block_ids[g]` of every group, and the lease's state slot `state_slot` (of
     `state_bytes` bytes) when not None, over the connected `sock`, presenting `token`,
-    `lease_secret` and `prompt_digest`. Raises TransferError (see the module docstring)."""
-    state: bytes | None = None
-    limit = frame_limit(*block_bytes, state_bytes)
+    `lease_secret` and `prompt_digest`. Blocks are received into `rows[g]` (writable, C-contiguous
+    `[len(block_ids[g]), block_bytes[g]]` uint8 arrays, e.g. pinned host memory; allocated here
+    when None). Raises TransferError (see the module docstring)."""
+    if rows is None:
+        rows = [np.empty((len(ids), size), dtype=np.uint8) for ids, size in zip(block_ids, block_bytes)]
+    for g, (r, ids) in enumerate(zip(rows, block_ids)):
+        if r.shape != (len(ids), block_bytes[g]) or r.dtype != np.uint8 or not r.flags.c_contiguous:
+            raise ValueError(f"group {g}: rows {r.shape} {r.dtype} for {len(ids)} blocks of {block_bytes[g]} bytes")
+    state: bytearray | None = None
+    seen = [np.zeros(len(ids), dtype=bool) for ids in block_ids]
+    crcs: list[tuple[int, int, int, Future[int]]] = []  # (group, index, announced CRC32, computed)
     try:
-        send_message(sock, PullRequest(lease_id=lease_id, block_ids=block_ids, state_slot=state_slot, token=token,
-                                       lease_secret=lease_secret, prompt_digest=prompt_digest))
-        out: list[list[bytes | None]] = [[None] * len(ids) for ids in block_ids]
-        received = 0
-        while True:
-            msg = recv_message(sock, limit)
-            if isinstance(msg, PullError):
-                raise refusal(msg)
-            if isinstance(msg, PullEnd):
-                break
-            if isinstance(msg, StateFrame):
-                if state_slot is None or msg.slot != state_slot:
-                    raise TransferError(f"state frame for slot {msg.slot}, requested {state_slot}")
-                if state is not None:
-                    raise TransferError("state frame sent twice")
-                if len(msg.data) != state_bytes:
-                    raise TransferError(f"state frame has {len(msg.data)} bytes, expected {state_bytes} "
-                                        "(different model or state layout?)")
-                if checksum(msg.data) != msg.crc32:
-                    raise TransferError(f"checksum mismatch in the state of slot {msg.slot}: the transfer was "
-                                        "corrupted")
-                state = msg.data
+        with ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="tandem-kv-crc") as pool:
+            send_message(sock, PullRequest(lease_id=lease_id, block_ids=block_ids, state_slot=state_slot,
+                                           token=token, lease_secret=lease_secret, prompt_digest=prompt_digest))
+            received = 0
+            while True:
+                msg = recv_message(sock, frame_limit())
+                if isinstance(msg, PullError):
+                    raise refusal(msg)
+                if isinstance(msg, PullEnd):
+                    break
+                if isinstance(msg, StateFrame):
+                    if state_slot is None or msg.slot != state_slot:
+                        raise TransferError(f"state frame for slot {msg.slot}, requested {state_slot}")
+                    if state is not None:
+                        raise TransferError("state frame sent twice")
+                    if msg.nbytes != state_bytes:
+                        raise TransferError(f"state frame has {msg.nbytes} bytes, expected {state_bytes} "
+                                            "(different model or state layout?)")
+                    state = bytearray(state_bytes)
+                    recv_payload_into(sock, memoryview(state))
+                    if checksum(state) != msg.crc32:
+                        raise TransferError(f"checksum mismatch in the state of slot {msg.slot}: the transfer was "
+                                            "corrupted")
+                    received += 1
+                    continue
+                if not isinstance(msg, BlockFrame):
+                    raise TransferError(f"unexpected {type(msg).__name__} in a pull")
+                g, j = msg.group, msg.index
+                if not (0 <= g < len(rows) and 0 <= j < len(seen[g])):
+                    raise TransferError(f"frame for unknown block (group {g}, index {j})")
+                if seen[g][j]:
+                    raise TransferError(f"block (group {g}, index {j}) sent twice")
+                if msg.nbytes != block_bytes[g]:
+                    raise TransferError(f"block (group {g}, index {j}) has {msg.nbytes} bytes, "
+                                        f"expected {block_bytes[g]} (different model or cache layout?)")
+                row = memoryview(rows[g][j])
+                recv_payload_into(sock, row)
+                seen[g][j] = True
+                crcs.append((g, j, msg.crc32, pool.submit(checksum, row)))
                 received += 1
-                continue
-            if not isinstance(msg, BlockFrame):
-                raise TransferError(f"unexpected {type(msg).__name__} in a pull")
-            if not (0 <= msg.group < len(out) and 0 <= msg.index < len(out[msg.group])):
-                raise TransferError(f"frame for unknown block (group {msg.group}, index {msg.index})")
-            if out[msg.group][msg.index] is not None:
-                raise TransferError(f"block (group {msg.group}, index {msg.index}) sent twice")
-            if len(msg.data) != block_bytes[msg.group]:
-                raise TransferError(f"block (group {msg.group}, index {msg.index}) has {len(msg.data)} bytes, "
-                                    f"expected {block_bytes[msg.group]} (different model or cache layout?)")
-            if checksum(msg.data) != msg.crc32:
-                raise TransferError(f"checksum mismatch in block (group {msg.group}, index {msg.index}): "
-                                    "the transfer was corrupted")
-            out[msg.group][msg.index] = msg.data
-            received += 1
+            for g, j, announced, computed in sorted(crcs, key=lambda c: c[:2]):
+                if computed.result() != announced:
+                    raise TransferError(f"checksum mismatch in block (group {g}, index {j}): "
+                                        "the transfer was corrupted")
     except (OSError, WireError) as exc:
         raise TransferError(f"KV pull connection failed: {exc}") from None
     expected = sum(len(ids) for ids in block_ids) + (state_slot is not None)
@@ -324,11 +382,11 @@ def pull(sock: socket.socket, lease_id: str, block_ids: list[list[int]], block_b
         raise TransferError(f"pull ended after {received} of {expected} {what}")
     if state_slot is not None and state is None:
         raise TransferError("pull ended without the state")
-    return Pulled(out, state)  # type: ignore[arg-type]
+    return Pulled(rows, bytes(state) if state is not None else None)
 
 
 def pull_blocks(sock: socket.socket, lease_id: str, block_ids: list[list[int]],
-                block_bytes: list[int], **auth: str) -> list[list[bytes]]:
+                block_bytes: list[int], **auth: str) -> list[list[memoryview]]:
     """`pull` of blocks only: per group, the blocks' bytes in request order."""
     return pull(sock, lease_id, block_ids, block_bytes, **auth).blocks
 

@@ -1,4 +1,4 @@
-"""The KV pull wire protocol: msgspec structs, length-prefixed msgpack frames, a CRC32 per block.
+"""The KV pull wire protocol: msgspec structs, length-prefixed msgpack frames, raw block payloads, a CRC32 per block.
 
 A pull is one TCP connection from the consumer to the producer's KV address:
 
@@ -7,18 +7,21 @@ A pull is one TCP connection from the consumer to the producer's KV address:
     producer -> BlockFrame * n, [StateFrame], then PullEnd(n)   (or PullError(message) at any point)
 
 Each frame is a 4-byte big-endian length and a msgpack body (a tagged union, so one decoder reads
-every message). A `BlockFrame` carries one block of one paged group — every layer of that group,
-concatenated — and the CRC32 of those bytes, computed by the producer before sending; the
-consumer recomputes it and fails the pull on a mismatch. A `StateFrame` (hybrid models, when the
-request names the lease's state slot) carries that slot of every state layer (`state_io.py`'s
-order) with its CRC32 the same way, after the blocks; `PullEnd` counts it. The producer releases the lease when
+every message). A `BlockFrame` announces one block of one paged group — every layer of that group,
+concatenated — by its size and the CRC32 of its bytes (computed by the producer before sending);
+the block's bytes follow the frame raw, `nbytes` of them, outside the msgpack body, so neither end
+copies them into or out of an encoding: the producer sends them from its staging memory, the
+consumer checks `nbytes` against its own block size and receives them straight into the row it
+preallocated for that block, then recomputes the CRC32 and fails the pull on a mismatch. A
+`StateFrame` (hybrid models, when the request names the lease's state slot) announces that slot of
+every state layer (`state_io.py`'s order) the same way, after the blocks; `PullEnd` counts it. The producer releases the lease when
 the connection ends, whatever happened (the consumer pulls once).
 
 Every consumer message carries the engine's bearer token and the lease's secret, and a pull or a
 handshake the digest of the consumer's prompt (`auth.py`). Frame lengths are checked before
 anything is allocated: the producer reads a request of at most `MAX_REQUEST_BYTES`; the consumer
-reads frames of at most `frame_limit` (its largest block or state plus a small envelope), so a
-peer's length field never sizes an allocation past what the lease needs.
+reads frames of at most `frame_limit` (a small envelope: payloads travel raw), and a payload only
+into memory it sized itself, so a peer's length field never sizes an allocation.
 """
 
 from __future__ import annotations
@@ -90,19 +93,21 @@ class NixlHandshake(msgspec.Struct, tag="nixl_handshake", kw_only=True):
 
 
 class BlockFrame(msgspec.Struct, tag="block", kw_only=True):
-    """Block `index` (position in the request's `block_ids[group]`) of paged group `group`."""
+    """Block `index` (position in the request's `block_ids[group]`) of paged group `group`: its
+    `nbytes` bytes follow this frame raw."""
 
     group: int
     index: int
-    data: bytes
+    nbytes: int
     crc32: int
 
 
 class StateFrame(msgspec.Struct, tag="state", kw_only=True):
-    """State slot `slot` (the producer's) of every state layer, in `state_io.py`'s order."""
+    """State slot `slot` (the producer's) of every state layer, in `state_io.py`'s order: its
+    `nbytes` bytes follow this frame raw."""
 
     slot: int
-    data: bytes
+    nbytes: int
     crc32: int
 
 
@@ -154,28 +159,37 @@ def checksum(data: bytes | memoryview) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def send_message(sock: socket.socket, msg: WireMessage) -> None:
-    # Encoded behind room for the length, so a block's bytes are copied once (into the frame).
+def send_message(sock: socket.socket, msg: WireMessage, payload: bytes | memoryview | None = None) -> None:
+    """Send `msg` as one frame, then `payload` (a BlockFrame's or StateFrame's bytes) raw, uncopied."""
     frame = bytearray(_LEN.size)
     _ENCODER.encode_into(msg, frame, _LEN.size)
     _LEN.pack_into(frame, 0, len(frame) - _LEN.size)
     sock.sendall(frame)
+    if payload is not None:
+        sock.sendall(payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+def recv_payload_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` (writable, bytes) from the stream: the raw payload announced by the last frame."""
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    n, got = view.nbytes, 0
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise WireError(f"connection closed after {got} of {n} bytes")
         got += k
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    recv_payload_into(sock, memoryview(buf))
     return buf
 
 
 def frame_limit(*payload_bytes: int) -> int:
-    """The largest frame a consumer accepts when its payloads are at most these sizes."""
+    """The largest frame a consumer accepts when the msgpack bodies it expects carry at most these
+    many bytes (a handshake's answer); a pull's frames are envelopes (`frame_limit()`): block and
+    state bytes travel raw after them."""
     return max(payload_bytes, default=0) + FRAME_ENVELOPE_BYTES
 
 

@@ -56,7 +56,7 @@ class _Load:
     started: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sock: socket.socket | None = None
-    blocks: list[list[bytes]] | None = None  # TCP: per group, the pulled bytes
+    rows: list[torch.Tensor] | None = None  # TCP: per group, the pulled blocks' host rows
     state: bytes | None = None  # TCP: the pulled state slot (hybrid models)
     remote: list[list[torch.Tensor]] | None = None  # CUDA IPC: the producer's layer tensors
     remote_state: list[torch.Tensor] | None = None  # CUDA IPC: the producer's state tensors
@@ -182,8 +182,8 @@ class KVConnectorWorker:
             elif load.remote is not None:
                 io.copy_blocks_from(g, load.remote[g], spec.remote_block_ids[g], local)
             else:
-                assert load.blocks is not None
-                io.write_blocks(g, local, load.blocks[g])
+                assert load.rows is not None
+                io.write_rows(g, local, load.rows[g])
             n_bytes += len(local) * io.block_bytes[g]
         if spec.local_state_slot is not None:
             n_bytes += self._write_state(load)
@@ -226,10 +226,13 @@ class KVConnectorWorker:
                 state_bytes = self.state_io.slot_bytes if self.state_io is not None else 0
                 if spec.remote_state_slot is not None and self.state_io is None:
                     raise TransferError("this engine has no state groups to write the producer's state into")
+                # Received straight into host rows (pinned on CUDA) that `_write` copies to the device.
+                rows = [self.block_io.host_rows(g, len(ids)) for g, ids in enumerate(spec.remote_block_ids)]
                 pulled = pull(load.sock, spec.lease_id, spec.remote_block_ids, self.block_io.block_bytes,
                               spec.remote_state_slot, state_bytes, token=self.credentials.token,
-                              lease_secret=spec.lease_secret, prompt_digest=spec.prompt_digest)
-                load.blocks, load.state = pulled.blocks, pulled.state
+                              lease_secret=spec.lease_secret, prompt_digest=spec.prompt_digest,
+                              rows=[r.numpy() for r in rows])
+                load.rows, load.state = rows, pulled.state
                 load.close()  # the producer releases the lease as soon as the pull is complete
         except TransferError as exc:
             load.error = f"KV transfer from {spec.remote_engine_id} failed: {exc}"
