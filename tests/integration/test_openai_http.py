@@ -154,6 +154,11 @@ def test_typed_control_plane_over_grpc_matches_http(http_serve):
         assert [r.address for r in loads.replicas] == [e.address for e in server.engines]
         assert all(r.role == "unified" and not r.error and r.kv_blocks_total > 0 for r in loads.replicas)
         assert server.ready and server.engine_transport == "mux" and server.frontend_workers == 1
+        from tandem.v1 import common_pb2
+
+        with pytest.raises(grpc.RpcError) as info:  # 8 was SPEC_DECODE_STATS (constant zeros): reserved
+            stub.Utility(common_pb2.UtilityRequest(command=8), metadata=auth, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with urllib.request.urlopen(urllib.request.Request(http_serve["base"] + "/v1/models",
                                                        headers={"Authorization": f"Bearer {TOKEN}"})) as resp:
         assert json.loads(resp.read())["data"][0]["id"] == model.served_model_name

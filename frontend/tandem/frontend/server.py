@@ -213,7 +213,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             if result is None:
                 # Also the answer for another caller's request: its existence is not revealed.
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {echo(request.request_id)} is not in flight")
-        elif cmd in (C.UTILITY_COMMAND_STATS, C.UTILITY_COMMAND_FLUSH_PREFIX_CACHE, C.UTILITY_COMMAND_SPEC_DECODE_STATS):
+        elif cmd in (C.UTILITY_COMMAND_STATS, C.UTILITY_COMMAND_FLUSH_PREFIX_CACHE):
             per_engine = {}
             for r in self._all_replicas():
                 try:

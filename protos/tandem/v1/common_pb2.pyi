@@ -26,7 +26,6 @@ class UtilityCommand(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UTILITY_COMMAND_FLUSH_PREFIX_CACHE: _ClassVar[UtilityCommand]
     UTILITY_COMMAND_START_PROFILE: _ClassVar[UtilityCommand]
     UTILITY_COMMAND_STOP_PROFILE: _ClassVar[UtilityCommand]
-    UTILITY_COMMAND_SPEC_DECODE_STATS: _ClassVar[UtilityCommand]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -40,7 +39,6 @@ UTILITY_COMMAND_STATS: UtilityCommand
 UTILITY_COMMAND_FLUSH_PREFIX_CACHE: UtilityCommand
 UTILITY_COMMAND_START_PROFILE: UtilityCommand
 UTILITY_COMMAND_STOP_PROFILE: UtilityCommand
-UTILITY_COMMAND_SPEC_DECODE_STATS: UtilityCommand
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")

@@ -252,8 +252,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         elif cmd == C.UTILITY_COMMAND_FLUSH_PREFIX_CACHE:
             flush: FlushResult = await self._core_utility(UtilityCommand.FLUSH_PREFIX_CACHE, context)
             result = {"flushed": flush.flushed}
-        elif cmd == C.UTILITY_COMMAND_SPEC_DECODE_STATS:
-            result = {"enabled": False, "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         elif cmd in (C.UTILITY_COMMAND_START_PROFILE, C.UTILITY_COMMAND_STOP_PROFILE):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "profiling is not enabled on this engine")
         else:
