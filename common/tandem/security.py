@@ -231,17 +231,26 @@ class SecurityOptions:
                                                    require_client_authentication=self.mtls)
 
     def server_ssl_context(self):
-        """The same server TLS (and mTLS) as `server_credentials`, for the HTTP face; None for plaintext."""
+        """The same server TLS (and mTLS) as `server_credentials`, for the HTTP face, following
+        the files as they are rotated too; None for plaintext.
+
+        Each new connection is handed the context of the files as they are now: the listening
+        context's `sni_callback` (called for every handshake, with or without SNI) swaps it in."""
         if not self.server_tls:
             return None
-        import ssl
+        certificates = ReloadingCertificates(self.tls_cert, self.tls_key, self.tls_client_ca, build=ssl_server_context)
+        current = [certificates.initial()]
 
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.tls_cert, self.tls_key)
-        if self.tls_client_ca is not None:
-            context.load_verify_locations(cafile=self.tls_client_ca)
-            context.verify_mode = ssl.CERT_REQUIRED
-        return context
+        def use_current(ssl_object, _server_name, _context) -> None:
+            fresh = certificates.fetch()
+            if fresh is not None:
+                current[0] = fresh
+            if ssl_object.context is not current[0]:
+                ssl_object.context = current[0]
+
+        listening = current[0]
+        listening.sni_callback = use_current
+        return listening
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         # An admin token is also a client token (an admin may do whatever a client may).
@@ -287,19 +296,44 @@ class SecurityOptions:
                         hint="the token crosses the network in clear text unless a mesh encrypts it")
 
 
+def grpc_certificate_configuration(files: "ReloadingCertificates") -> grpc.ServerCertificateConfiguration:
+    """gRPC's server certificate configuration of the files as they are now; raises when the key
+    does not match the certificate (or a file cannot be read)."""
+    ssl_server_context(files)  # the pair matches
+    return grpc.ssl_server_certificate_configuration(
+        [(_read(files.key, "tls-key"), _read(files.cert, "tls-cert"))],
+        root_certificates=_read(files.client_ca, "tls-client-ca"))
+
+
+def ssl_server_context(files: "ReloadingCertificates"):
+    """An `ssl.SSLContext` serving the files as they are now (client certificates required when
+    there is a client CA); raises on an unusable set."""
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(files.cert, files.key)
+    if files.client_ca is not None:
+        context.load_verify_locations(cafile=files.client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
 class ReloadingCertificates:
     """A server's certificate, key and client CA files, read again when one of them changes.
 
-    `fetch` is gRPC's certificate-configuration fetcher: called at each new TLS handshake, it
-    returns None while the files are unchanged (their mtime, size and inode, symlinks followed, so
-    the atomic `..data` swap of a mounted Kubernetes Secret counts) and a new configuration once
-    they changed. A half-written rotation (unreadable files, or a key that does not match the
-    certificate) keeps the current configuration and is retried at the next handshake.
+    `build(self)` turns the files into what a server uses (`grpc_certificate_configuration`, the
+    default, or `ssl_server_context`). `fetch` is called at each new TLS handshake (it is gRPC's
+    certificate-configuration fetcher): it returns None while the files are unchanged (their
+    mtime, size and inode, symlinks followed, so the atomic `..data` swap of a mounted Kubernetes
+    Secret counts) and a newly built one once they changed. A half-written rotation (unreadable
+    files, or a key that does not match the certificate) keeps the current one until the files
+    change again.
     """
 
-    def __init__(self, cert: str, key: str, client_ca: str | None = None) -> None:
+    def __init__(self, cert: str, key: str, client_ca: str | None = None, build=grpc_certificate_configuration) -> None:
         self.paths = tuple(p for p in (cert, key, client_ca) if p is not None)
         self.cert, self.key, self.client_ca = cert, key, client_ca
+        self._build = build
         self._stamp: tuple | None = None  # the files' state when the configuration in use was read
         self._refused: tuple | None = None  # a state found unusable (warned about once)
 
@@ -307,30 +341,21 @@ class ReloadingCertificates:
         stats = [os.stat(p) for p in self.paths]
         return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in stats)
 
-    def _load(self) -> grpc.ServerCertificateConfiguration:
-        """The configuration of the files as they are now; raises on an unusable set."""
-        import ssl
-
-        key, cert = _read(self.key, "tls-key"), _read(self.cert, "tls-cert")
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert, self.key)  # the pair matches
-        client_ca = _read(self.client_ca, "tls-client-ca")
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
-
-    def initial(self) -> grpc.ServerCertificateConfiguration:
-        """The configuration the server starts with (errors raise: the server must not start)."""
+    def initial(self):
+        """What the server starts with (errors raise: the server must not start)."""
         stamp = self._stamp_now()
-        config = self._load()
+        config = self._build(self)
         self._stamp = stamp
         return config
 
-    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
-        """A new configuration when the files changed since the last one, else None."""
+    def fetch(self):
+        """A newly built configuration when the files changed since the last one, else None."""
         stamp = None
         try:
             stamp = self._stamp_now()
             if stamp in (self._stamp, self._refused):
                 return None
-            config = self._load()
+            config = self._build(self)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError; SecurityConfigError a ValueError
             if stamp is None or stamp != self._refused:
                 log.warning("tls_certificate_reload_failed", files=list(self.paths), error=str(exc),

@@ -123,3 +123,41 @@ def test_fetch_answers_none_until_the_files_change(tmp_path) -> None:
     replace(cert, cert2)
     assert files.fetch() is not None
     assert files.fetch() is None
+
+
+def test_the_http_face_context_follows_the_rotation_too(tmp_path) -> None:
+    """`server_ssl_context` (the HTTP port's TLS): each new connection gets the files' current
+    certificate."""
+    import threading
+
+    old_key, old_cert = self_signed("old")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(old_cert)
+    key.write_bytes(old_key)
+    context = SecurityOptions(tls_cert=str(cert), tls_key=str(key)).server_ssl_context()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                with context.wrap_socket(conn, server_side=True):
+                    pass
+            except (ssl.SSLError, OSError):
+                pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        assert presented_certificate(port) == der(old_cert)
+        new_key, new_cert = self_signed("new")
+        replace(key, new_key)
+        assert presented_certificate(port) == der(old_cert)  # half done: the old pair still served
+        replace(cert, new_cert)
+        assert presented_certificate(port) == der(new_cert)
+        assert presented_certificate(port) == der(new_cert)
+    finally:
+        listener.close()
