@@ -119,3 +119,27 @@ class TandemClient:
             common_pb2.UtilityRequest(command=value, request_id=request_id), timeout=timeout, metadata=self.metadata
         )
         return json_format.MessageToDict(resp.result)
+
+    # -- the typed control plane (integers stay integers; nothing runs a generation) ------------------
+    def model_info(self, timeout: float | None = 30.0) -> frontend_pb2.GetModelInfoResponse:
+        return self.stub.GetModelInfo(frontend_pb2.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+
+    def server_info(self, timeout: float | None = 30.0) -> frontend_pb2.GetServerInfoResponse:
+        return self.stub.GetServerInfo(frontend_pb2.GetServerInfoRequest(), timeout=timeout, metadata=self.metadata)
+
+    def loads(self, timeout: float | None = 30.0) -> frontend_pb2.GetLoadsResponse:
+        return self.stub.GetLoads(frontend_pb2.GetLoadsRequest(), timeout=timeout, metadata=self.metadata)
+
+    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                 add_generation_prompt: bool | None = None, timeout: float | None = 30.0) -> list[int]:
+        """The token ids a generation of `prompt` (or chat `messages`) would see."""
+        request = frontend_pb2.TokenizeRequest(prompt=prompt or "", messages=[
+            frontend_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()])
+        if add_generation_prompt is not None:
+            request.add_generation_prompt = add_generation_prompt
+        return list(self.stub.Tokenize(request, timeout=timeout, metadata=self.metadata).token_ids)
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False,
+                   timeout: float | None = 30.0) -> str:
+        request = frontend_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return self.stub.Detokenize(request, timeout=timeout, metadata=self.metadata).text

@@ -54,3 +54,13 @@ def test_reflection_is_off_by_default(serve):
             raise AssertionError("reflection answered although it was not enabled")
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_typed_control_plane_from_the_python_client(client):
+    info = client.model_info()
+    assert info.max_context_length == client.utility("model_info")["max_model_len"]
+    ids = client.tokenize(messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert client.detokenize(ids).count("What is the capital of France?") == 1  # inside the chat template
+    assert client.detokenize(client.tokenize("Paris")) == "Paris"
+    loads = client.loads()
+    assert len(loads.replicas) == len(client.server_info().engines) >= 1
