@@ -30,7 +30,17 @@ from tandem.engine_service.kv_connector.leases import Lease, LeasedBlocks, Lease
 from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, LoadSpec
 from tandem.engine_service.kv_connector.scheduler_side import KVConnectorScheduler, LoadRefused
 from tandem.engine_service.kv_connector.state_io import StateSlotIO
-from tandem.engine_service.kv_connector.tcp_transport import KVPullServer, TransferError, connect, pull, pull_blocks
+from tandem.engine_service.kv_connector.tcp_transport import (
+    MIN_PART_BYTES,
+    PULL_STREAMS,
+    KVPullServer,
+    TransferError,
+    connect,
+    num_parts,
+    pull,
+    pull_blocks,
+    pull_parts,
+)
 from tandem.engine_service.kv_connector.wire import (
     BlockFrame,
     PullEnd,
@@ -142,6 +152,50 @@ def test_tcp_round_trip_sends_the_named_blocks_and_releases_the_lease(server):
     assert server.frames_sent == 3
     _wait_released(server.leases, lease.lease_id)
     assert len(server.leases.take_releasable()) == 1
+
+
+def test_a_pull_in_parts_brings_every_block_and_releases_the_lease_after_the_last_part(server):
+    lease = _grant(server.leases, "r", LeasedBlocks("r", [[1, 2, 3, 4, 5], [1, 2, 3]]), 30)
+    auth = {"lease_secret": lease.secret, "prompt_digest": DIGEST}
+    socks = [connect(server.host, server.port, 5) for _ in range(3)]
+    try:
+        for s in socks:
+            s.settimeout(5)
+        got = pull_parts(socks, lease.lease_id, [[1, 2, 3, 5], [2, 3]], [64, 32], **auth)
+    finally:
+        for s in socks:
+            s.close()
+    assert [[bytes(v) for v in g] for g in got.blocks] == [
+        [bytes([i]) * 64 for i in (1, 2, 3, 5)], [bytes([100 + i]) * 32 for i in (2, 3)]]
+    assert server.frames_sent == 6
+    _wait_released(server.leases, lease.lease_id)
+    # One part served in full does not release the lease while the other is still to come.
+    lease = _grant(server.leases, "s", LeasedBlocks("s", [[1, 2], [1]]), 30)
+    with connect(server.host, server.port, 5) as sock:
+        sock.settimeout(5)
+        got = pull(sock, lease.lease_id, [[1], []], [64, 32], part=0, parts=2, **auth | {"lease_secret": lease.secret})
+    assert [bytes(v) for v in got.blocks[0]] == [bytes([1]) * 64]
+    time.sleep(0.2)  # the producer has unpinned part 0
+    assert server.leases.pin(lease.lease_id) is not None, "released before its last part"
+    server.leases.unpin(lease.lease_id, release=False)
+    with connect(server.host, server.port, 5) as sock:
+        sock.settimeout(5)
+        pull(sock, lease.lease_id, [[2], [1]], [64, 32], part=1, parts=2, **auth | {"lease_secret": lease.secret})
+    _wait_released(server.leases, lease.lease_id)
+    # A failed part fails the pull, naming its part, and releases the lease.
+    lease = _grant(server.leases, "t", LeasedBlocks("t", [[1, 2, 3, 4], [1]]), 30)
+    server.tamper = lambda data: bytes([data[0] ^ 1]) + data[1:] if data[0] == 4 else data
+    socks = [connect(server.host, server.port, 5) for _ in range(2)]
+    try:
+        with pytest.raises(TransferError, match="part 1 of 2: checksum mismatch in block \\(group 0, index 1\\)"):
+            pull_parts(socks, lease.lease_id, [[1, 2, 3, 4], [1]], [64, 32], lease_secret=lease.secret,
+                       prompt_digest=DIGEST)
+    finally:
+        server.tamper = None
+        for s in socks:
+            s.close()
+    _wait_released(server.leases, lease.lease_id)
+    assert num_parts([[1] * 8], [MIN_PART_BYTES]) == PULL_STREAMS and num_parts([[1, 2]], [64]) == 1
 
 
 def test_corrupted_frame_is_detected(server):

@@ -47,6 +47,7 @@ from tandem.engine_service.kv_connector.wire import (
     MAX_REQUEST_BYTES,
     BlockFrame,
     IpcHandles,
+    MAX_PULL_PARTS,
     IpcHandlesRequest,
     NixlHandshake,
     NixlMemory,
@@ -73,6 +74,10 @@ StateReader = Callable[[int], bytes]
 SOCKET_BUFFER_BYTES = 16 << 20
 # Helper threads per pull end computing block CRC32s (zlib's runs at a few GB/s on one core).
 CRC_THREADS = 2
+# A large pull travels in parts of at least `MIN_PART_BYTES` on up to `PULL_STREAMS` connections at
+# once (one stream is held to about 3 GB/s by one core's socket copies and framing).
+PULL_STREAMS = 4
+MIN_PART_BYTES = 64 << 20
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -140,6 +145,8 @@ class KVPullServer:
         self.on_release = on_release or (lambda: None)
         self.tamper: Callable[[bytes], bytes] | None = None
         self.frames_sent = 0
+        self._parts_served: dict[str, set[int]] = {}  # lease id -> parts of its pull served in full
+        self._parts_lock = threading.Lock()
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._sock.settimeout(0.5)
         self.host = host
@@ -169,6 +176,7 @@ class KVPullServer:
 
     def _serve(self, conn: socket.socket) -> None:
         lease_id = None
+        release = True  # unless a part of a pull whose other parts are still to be served
         try:
             conn.settimeout(60)
             tune_socket(conn)
@@ -203,31 +211,49 @@ class KVPullServer:
                 self._serve_handshake(conn, self.ipc_export, "cuda_ipc")
             elif isinstance(msg, NixlHandshake):
                 self._serve_handshake(conn, self.nixl_export, "nixl")
-            else:
-                self._serve_pull(conn, msg, tables)
+            elif self._serve_pull(conn, msg, tables):
+                release = self._all_parts_served(msg)
         except (OSError, WireError) as exc:
             log.info("kv_pull_connection_ended", error=str(exc), lease_id=lease_id)
         finally:
             if lease_id is not None:
-                self.leases.unpin(lease_id, release=True)
+                if release:
+                    self._parts_served.pop(lease_id, None)
+                self.leases.unpin(lease_id, release=release)
                 self.on_release()
             conn.close()
 
-    def _serve_pull(self, conn: socket.socket, msg: PullRequest, tables: list[list[int]]) -> None:
+    def _all_parts_served(self, msg: PullRequest) -> bool:
+        """Record that part `msg.part` of a pull was served in full; whether every part has been."""
+        if msg.parts == 1:
+            return True
+        with self._parts_lock:
+            if len(self._parts_served) > 1024:  # pulls whose other parts never came: their leases ended
+                for stale in [x for x in self._parts_served if self.leases.prompt_digest(x) is None]:
+                    del self._parts_served[stale]
+            done = self._parts_served.setdefault(msg.lease_id, set())
+            done.add(msg.part)
+            return len(done) == msg.parts
+
+    def _serve_pull(self, conn: socket.socket, msg: PullRequest, tables: list[list[int]]) -> bool:
+        """Serve one pull (or one part of one); whether every frame and the PullEnd were sent."""
+        if not 0 <= msg.part < msg.parts <= MAX_PULL_PARTS:
+            send_message(conn, PullError(message=f"part {msg.part} of {msg.parts}: at most {MAX_PULL_PARTS} parts"))
+            return False
         if len(msg.block_ids) != len(tables):
             send_message(conn, PullError(message=f"{len(msg.block_ids)} cache groups requested, "
                                                  f"the producer has {len(tables)}"))
-            return
+            return False
         for g, ids in enumerate(msg.block_ids):
             problem = blocks_outside_lease(ids, tables[g])
             if problem:
                 send_message(conn, PullError(message=f"group {g}: {problem}"))
-                return
+                return False
         if msg.state_slot is not None:
             leased_slot = self.leases.state_slot(msg.lease_id)
             if self.read_state is None or leased_slot is None or msg.state_slot != leased_slot:
                 send_message(conn, PullError(message=f"state slot {msg.state_slot} is not in the lease"))
-                return
+                return False
         n = 0
         blocks = ((g, j, data) for g, ids in enumerate(msg.block_ids)
                   for j, data in enumerate(self.read_blocks(g, ids)))
@@ -247,6 +273,7 @@ class KVPullServer:
             n += 1
         self.frames_sent += n
         send_message(conn, PullEnd(num_frames=n))
+        return True
 
     def _serve_handshake(self, conn: socket.socket, export: Callable | None, name: str) -> None:
         if export is None:
@@ -315,12 +342,13 @@ class Pulled:
 
 def pull(sock: socket.socket, lease_id: str, block_ids: list[list[int]], block_bytes: list[int],
          state_slot: int | None = None, state_bytes: int = 0, *, token: str = "", lease_secret: str = "",
-         prompt_digest: str = "", rows: list[np.ndarray] | None = None) -> Pulled:
+         prompt_digest: str = "", rows: list[np.ndarray] | None = None, part: int = 0, parts: int = 1) -> Pulled:
     """Pull `block_ids[g]` of every group, and the lease's state slot `state_slot` (of
     `state_bytes` bytes) when not None, over the connected `sock`, presenting `token`,
     `lease_secret` and `prompt_digest`. Blocks are received into `rows[g]` (writable, C-contiguous
     `[len(block_ids[g]), block_bytes[g]]` uint8 arrays, e.g. pinned host memory; allocated here
-    when None). Raises TransferError (see the module docstring)."""
+    when None). `part` of `parts`: see `PullRequest` (`pull_parts` splits a pull). Raises
+    TransferError (see the module docstring)."""
     if rows is None:
         rows = [np.empty((len(ids), size), dtype=np.uint8) for ids, size in zip(block_ids, block_bytes)]
     for g, (r, ids) in enumerate(zip(rows, block_ids)):
@@ -332,7 +360,8 @@ def pull(sock: socket.socket, lease_id: str, block_ids: list[list[int]], block_b
     try:
         with ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="tandem-kv-crc") as pool:
             send_message(sock, PullRequest(lease_id=lease_id, block_ids=block_ids, state_slot=state_slot,
-                                           token=token, lease_secret=lease_secret, prompt_digest=prompt_digest))
+                                           token=token, lease_secret=lease_secret, prompt_digest=prompt_digest,
+                                           part=part, parts=parts))
             received = 0
             while True:
                 msg = recv_message(sock, frame_limit())
@@ -383,6 +412,62 @@ def pull(sock: socket.socket, lease_id: str, block_ids: list[list[int]], block_b
     if state_slot is not None and state is None:
         raise TransferError("pull ended without the state")
     return Pulled(rows, bytes(state) if state is not None else None)
+
+
+def num_parts(block_ids: list[list[int]], block_bytes: list[int]) -> int:
+    """Connections for a pull of these blocks: one per `MIN_PART_BYTES`, at most `PULL_STREAMS`
+    and at most one per block of the largest group."""
+    total = sum(len(ids) * size for ids, size in zip(block_ids, block_bytes))
+    most = max((len(ids) for ids in block_ids), default=0)
+    return max(1, min(PULL_STREAMS, total // MIN_PART_BYTES, most))
+
+
+def pull_parts(socks: list[socket.socket], lease_id: str, block_ids: list[list[int]], block_bytes: list[int],
+               state_slot: int | None = None, state_bytes: int = 0, *, rows: list[np.ndarray] | None = None,
+               **auth: str) -> Pulled:
+    """`pull` in `len(socks)` parts at once, part k over `socks[k]`: slice k of every group's ids
+    (k/n to (k+1)/n of them), received into the same slice of `rows`; part 0 also brings the
+    state. The first part to fail shuts the other connections down, and its error is raised
+    (naming the part)."""
+    n = len(socks)
+    if rows is None:
+        rows = [np.empty((len(ids), size), dtype=np.uint8) for ids, size in zip(block_ids, block_bytes)]
+    if n == 1:
+        return pull(socks[0], lease_id, block_ids, block_bytes, state_slot, state_bytes, rows=rows, **auth)
+    cuts = [[len(ids) * k // n for k in range(n + 1)] for ids in block_ids]
+    results: list[Pulled | None] = [None] * n
+    failed: list[TransferError] = []
+    lock = threading.Lock()
+
+    def run(k: int) -> None:
+        try:
+            results[k] = pull(socks[k], lease_id, [ids[c[k]:c[k + 1]] for ids, c in zip(block_ids, cuts)],
+                              block_bytes, state_slot if k == 0 else None, state_bytes,
+                              rows=[r[c[k]:c[k + 1]] for r, c in zip(rows, cuts)], part=k, parts=n, **auth)
+        except TransferError as exc:
+            with lock:
+                failed.append(TransferError(f"part {k} of {n}: {exc}", exc.kind))
+                if len(failed) > 1:
+                    return  # a consequence of the first failure's shutdown
+            for i, other in enumerate(socks):
+                if i != k:
+                    try:
+                        other.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+    threads = [threading.Thread(target=run, args=(k,), name="tandem-kv-pull-part", daemon=True)
+               for k in range(1, n)]
+    for t in threads:
+        t.start()
+    run(0)
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+    first = results[0]
+    assert first is not None
+    return Pulled(rows, first.state)
 
 
 def pull_blocks(sock: socket.socket, lease_id: str, block_ids: list[list[int]],

@@ -6,6 +6,8 @@ A pull is one TCP connection from the consumer to the producer's KV address:
                             state slot or None)                  NixlHandshake)
     producer -> BlockFrame * n, [StateFrame], then PullEnd(n)   (or PullError(message) at any point)
 
+(a large pull: several such connections at once, each a `PullRequest` part with its own blocks)
+
 Each frame is a 4-byte big-endian length and a msgpack body (a tagged union, so one decoder reads
 every message). A `BlockFrame` announces one block of one paged group — every layer of that group,
 concatenated — by its size and the CRC32 of its bytes (computed by the producer before sending);
@@ -38,6 +40,7 @@ MAX_FRAME_BYTES = 1 << 31  # a frame claiming more is corrupt (a block of one gr
 MAX_REQUEST_BYTES = 4 << 20
 # What a frame carries besides its payload: msgpack tags, field names, small integers, a message.
 FRAME_ENVELOPE_BYTES = 4096
+MAX_PULL_PARTS = 16  # connections one pull may use at once
 _LEN = struct.Struct(">I")
 
 
@@ -56,7 +59,10 @@ class LayerRegion(msgspec.Struct, array_like=True):
 class PullRequest(msgspec.Struct, tag="pull", kw_only=True):
     """Send these of the lease's blocks, per paged group (ids in the producer's tables, in the
     lease's order, each once), and the lease's state slot `state_slot` (hybrid models; None: no
-    state). `token`, `lease_secret`, `prompt_digest`: see the module docstring."""
+    state). `token`, `lease_secret`, `prompt_digest`: see the module docstring. A large pull
+    travels as `parts` requests on as many connections at once, this one part `part` (its own
+    slice of the blocks); the producer releases the lease once every part was served in full, or
+    as soon as one fails."""
 
     lease_id: str
     block_ids: list[list[int]]
@@ -64,6 +70,8 @@ class PullRequest(msgspec.Struct, tag="pull", kw_only=True):
     token: str = ""
     lease_secret: str = ""
     prompt_digest: str = ""
+    part: int = 0
+    parts: int = 1
 
 
 class ReleaseLease(msgspec.Struct, tag="release", kw_only=True):

@@ -34,7 +34,14 @@ from tandem.engine_service.kv_connector.cuda_ipc import IpcChannel
 from tandem.engine_service.kv_connector.metadata import KVConnectorMetadata, KVLoadReport, LoadSpec
 from tandem.engine_service.kv_connector.nixl_transport import NixlEndpoint
 from tandem.engine_service.kv_connector.state_io import StateSlotIO
-from tandem.engine_service.kv_connector.tcp_transport import TransferError, connect, pull, refusal, release_lease
+from tandem.engine_service.kv_connector.tcp_transport import (
+    TransferError,
+    connect,
+    num_parts,
+    pull_parts,
+    refusal,
+    release_lease,
+)
 from tandem.engine_service.kv_connector.wire import (
     IpcHandles,
     IpcHandlesRequest,
@@ -56,6 +63,7 @@ class _Load:
     started: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     sock: socket.socket | None = None
+    more_socks: list[socket.socket] = field(default_factory=list)  # TCP: the pull's other parts' connections
     rows: list[torch.Tensor] | None = None  # TCP: per group, the pulled blocks' host rows
     state: bytes | None = None  # TCP: the pulled state slot (hybrid models)
     remote: list[list[torch.Tensor]] | None = None  # CUDA IPC: the producer's layer tensors
@@ -66,8 +74,10 @@ class _Load:
     ended: threading.Event = field(default_factory=threading.Event)  # the load thread is done
 
     def close(self) -> None:
-        sock, self.sock = self.sock, None
-        if sock is not None:
+        socks, self.sock, self.more_socks = [self.sock, *self.more_socks], None, []
+        for sock in socks:
+            if sock is None:
+                continue
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -226,12 +236,18 @@ class KVConnectorWorker:
                 state_bytes = self.state_io.slot_bytes if self.state_io is not None else 0
                 if spec.remote_state_slot is not None and self.state_io is None:
                     raise TransferError("this engine has no state groups to write the producer's state into")
-                # Received straight into host rows (pinned on CUDA) that `_write` copies to the device.
+                # Received straight into host rows (pinned on CUDA) that `_write` copies to the device;
+                # a large pull in parts over several connections at once.
                 rows = [self.block_io.host_rows(g, len(ids)) for g, ids in enumerate(spec.remote_block_ids)]
-                pulled = pull(load.sock, spec.lease_id, spec.remote_block_ids, self.block_io.block_bytes,
-                              spec.remote_state_slot, state_bytes, token=self.credentials.token,
-                              lease_secret=spec.lease_secret, prompt_digest=spec.prompt_digest,
-                              rows=[r.numpy() for r in rows])
+                for _ in range(num_parts(spec.remote_block_ids, self.block_io.block_bytes) - 1):
+                    load.more_socks.append(connect(spec.remote_host, spec.remote_port, self.timeout_s, self._tls))
+                    load.more_socks[-1].settimeout(self.timeout_s)
+                if load.cancelled.is_set():
+                    return
+                pulled = pull_parts([load.sock, *load.more_socks], spec.lease_id, spec.remote_block_ids,
+                                    self.block_io.block_bytes, spec.remote_state_slot, state_bytes,
+                                    rows=[r.numpy() for r in rows], token=self.credentials.token,
+                                    lease_secret=spec.lease_secret, prompt_digest=spec.prompt_digest)
                 load.rows, load.state = rows, pulled.state
                 load.close()  # the producer releases the lease as soon as the pull is complete
         except TransferError as exc:
