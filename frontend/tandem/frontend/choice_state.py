@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.frontend.detokenizer import IncrementalDetokenizer
+from tandem.frontend.decode_stream import new_detokenizer
 from tandem.frontend.stops import StopStringMatcher
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.v1 import common_pb2, engine_pb2, frontend_pb2
@@ -27,7 +27,7 @@ class ChoiceState:
     ) -> None:
         self.index = index
         self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+        self.detok = new_detokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
         self.matcher = StopStringMatcher(stops, include_stop_str_in_output) if stops else None
         self.stops = stops
         # stop_sequence_owner[i] = index in `stops` of the string that engine stop sequence i encodes.

@@ -80,6 +80,11 @@ class IncrementalDetokenizer:
         return prompt[len(prompt) - n :]
 
     @property
+    def context_ids(self) -> list[int]:
+        """The emitted tokens decoded in front of the unread ones (at first: the prompt's tail)."""
+        return self._ids[: self._read]
+
+    @property
     def text(self) -> str:
         """All text emitted so far."""
         return "".join(self._pieces)
