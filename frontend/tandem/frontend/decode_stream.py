@@ -69,6 +69,11 @@ class StreamDetokenizer:
         return "".join(self._pieces)
 
     @property
+    def context_ids(self) -> list[int]:
+        """The emitted tokens (at first: the prompt's tail) the next token's text follows."""
+        return self._fallback.context_ids if self._fallback is not None else list(self._context)
+
+    @property
     def on_fallback(self) -> bool:
         return self._fallback is not None
 
