@@ -18,7 +18,9 @@ def test_chat_body_maps_onto_generate_request():
                                    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "n": 2, "stop": "END", "seed": 3,
         "logprobs": True, "top_logprobs": 2, "top_k": 5, "ignore_eos": True, "stream": True,
+        "truncate_prompt_tokens": 9,
     })
+    assert req.truncate_prompt_tokens == 9
     assert req.model == "m" and req.n == 2 and list(req.stop) == ["END"]
     assert [(m.role, m.content) for m in req.messages] == [("system", "be brief"), ("user", "ab")]
     s = req.sampling

@@ -276,4 +276,27 @@ def test_choice_state_gets_the_prepared_options(builder, tok):
     c2.on_engine(engine_pb2.EngineResponse(token_ids=[*tok.encode(" a", add_special_tokens=False), eos]))
     assert c2.text == " a" + tok.decode([eos], skip_special_tokens=False)  # specials kept
     # The prompt reaches the detokenizer as its context (what SentencePiece decoders need).
-    assert builder.choice_state(p, 0).detok._prefix_text == tok.decode(p.prompt_token_ids) != ""
+    assert tok.decode(builder.choice_state(p, 0).detok.context_ids) == tok.decode(p.prompt_token_ids) != ""
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_tail(builder, tok):
+    text = "one two three four five six seven eight nine ten " * 3
+    full = tok.encode(text)
+    assert len(full) > 12
+    r = req(prompt=text, truncate_prompt_tokens=12)
+    builder.check_request(r)
+    prepared = builder.prepare(r, "x", ["x-0"])
+    assert prepared.prompt_token_ids == full[-12:]
+    assert list(prepared.engine_requests[0].prompt_token_ids) == full[-12:]
+    # Ids longer than the context (64) are cut instead of refused.
+    long_ids = list(range(100, 200))
+    r = req(prompt_token_ids=long_ids, truncate_prompt_tokens=63)
+    builder.check_request(r)
+    assert builder.prepare(r, "y", ["y-0"]).prompt_token_ids == long_ids[-63:]
+    assert refused(builder, req(prompt_token_ids=long_ids))[0] == "prompt_token_ids"
+
+
+@pytest.mark.parametrize("n", [0, -1, 64])
+def test_truncate_prompt_tokens_range(builder, n):
+    assert refused(builder, req(prompt="hi", truncate_prompt_tokens=n)) == (
+        "truncate_prompt_tokens", "truncate_prompt_tokens: must be in [1, 63] (the context is 64 tokens)")

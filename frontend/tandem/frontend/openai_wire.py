@@ -132,6 +132,9 @@ def _common(body: dict, req: frontend_pb2.GenerateRequest) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidRequest("stream_options", "must be an object")
+    truncate = _int(body, "truncate_prompt_tokens")
+    if truncate is not None:
+        req.truncate_prompt_tokens = truncate
     if _bool(body, "return_token_ids"):
         req.return_prompt_token_ids = True
 

@@ -103,11 +103,16 @@ class RequestBuilder:
             raise InvalidRequest("prompt", "one of prompt, messages or prompt_token_ids is required and must not be empty")
         if len(given) > 1:
             raise InvalidRequest(given[1], f"only one of prompt, messages, prompt_token_ids may be set (got {', '.join(given)})")
-        limit = self.max_prompt_bytes
+        truncating = request.HasField("truncate_prompt_tokens")
+        if truncating and not 1 <= request.truncate_prompt_tokens < self.limits.max_model_len:
+            raise InvalidRequest("truncate_prompt_tokens", f"must be in [1, {self.limits.max_model_len - 1}] "
+                                                           f"(the context is {self.limits.max_model_len} tokens)")
+        # A prompt that will be cut to fit may be longer than the context: only the absolute cap.
+        limit = MAX_PROMPT_BYTES if truncating else self.max_prompt_bytes
         if request.prompt and len(request.prompt.encode("utf-8", "surrogatepass")) > limit:
             raise InvalidRequest("prompt", f"at most {limit} bytes (UTF-8): a longer text cannot fit the context "
                                            f"of {self.limits.max_model_len} tokens")
-        if len(request.prompt_token_ids) >= self.limits.max_model_len:
+        if len(request.prompt_token_ids) >= self.limits.max_model_len and not truncating:
             raise InvalidRequest("prompt_token_ids", f"{len(request.prompt_token_ids)} tokens leave no room in the "
                                                      f"context of {self.limits.max_model_len}")
         if len(request.messages) > MAX_MESSAGES:
@@ -155,6 +160,8 @@ class RequestBuilder:
         """Tokenizes and validates; `tokenizer` is the calling thread's own (default: the shared one)."""
         tokenizer = tokenizer if tokenizer is not None else self.tokenizer
         prompt = self._prompt_ids(request, tokenizer)
+        if request.HasField("truncate_prompt_tokens"):  # range-checked by check_request
+            prompt = prompt[-request.truncate_prompt_tokens:]
         stops = list(request.stop)
         sequences, owner = tokenizer.encode_stop_strings_with_owner(stops) if stops else ([], [])
         # A stop string's token encoding is only the engine's hint to stop early; one longer than
