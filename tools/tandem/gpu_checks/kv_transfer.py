@@ -252,6 +252,8 @@ def _engine(args: argparse.Namespace, role: str, log: Path) -> tuple[subprocess.
             "--model", args.model, "--device", args.device, "--max-model-len", str(args.prompt_len + 64),
             "--num-kv-blocks", str(args.engine_blocks), "--block-size", str(args.block_size),
             "--kv-role", role, "--kv-transport", args.transports[0] if role == "producer" else "tcp"]
+    if role == "consumer":
+        argv += ["--kv-producer", "127.0.0.1:*"]  # the producer on this host, at the port it picked
     if args.device == "cpu":
         argv += ["--attention-backend", "torch"]
     env = {**os.environ, "TANDEM_LOG_LEVEL": "warning", "HF_HUB_OFFLINE": "1"}
