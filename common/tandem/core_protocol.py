@@ -24,6 +24,9 @@ import msgspec
 # -- sampling and endings ---------------------------------------------------------------------------
 
 
+LOGIT_BAN = -100.0  # a logit_bias of this value bans its token (its logit becomes -inf)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """Token-level sampling and stopping parameters, already validated by the server layer.
 
@@ -47,6 +50,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_sequences: list[list[int]] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Token id -> bias added to its logit before sampling; -100 (LOGIT_BAN) bans the token.
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:

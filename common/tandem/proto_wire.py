@@ -79,6 +79,22 @@ def _token_id(field: str, value: int, vocab_size: int) -> int:
     return value
 
 
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def _logit_bias(bias, vocab_size: int) -> dict[int, float]:
+    """`logit_bias` checked: token ids in the vocabulary, finite values in [-100, 100]."""
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    out = {}
+    for token, value in bias.items():
+        _token_id("logit_bias", token, vocab_size)
+        if not (math.isfinite(value) and -100.0 <= value <= 100.0):
+            raise InvalidRequest("logit_bias", f"the bias of token {token} must be in [-100, 100]")
+        out[int(token)] = float(value)
+    return out
+
+
 def sampling_from_proto(
     msg: common_pb2.SamplingParams,
     limits: Limits,
@@ -140,6 +156,8 @@ def sampling_from_proto(
         if not 0 <= msg.min_tokens <= p.max_tokens:
             raise InvalidRequest("min_tokens", "must be in [0, max_tokens]")
         p.min_tokens = msg.min_tokens
+    if msg.logit_bias:
+        p.logit_bias = _logit_bias(msg.logit_bias, limits.vocab_size)
     sequences = stop_token_sequences or []
     if len(sequences) > MAX_STOP_SEQUENCES:
         raise InvalidRequest("stop_token_sequences", f"at most {MAX_STOP_SEQUENCES} sequences")

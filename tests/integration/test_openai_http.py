@@ -179,3 +179,26 @@ def test_engine_metrics_carry_vllm_names_and_the_served_name(oai, http_serve):
     finished = sum(s.value for s in families["vllm:request_success"].samples if s.name.endswith("_total"))
     assert finished >= 1
     assert "vllm:lora_requests_info" in families
+
+
+def test_logit_bias_bans_a_token_over_grpc_and_http(oai, http_serve):
+    from tandem.client import TandemClient
+
+    with TandemClient(http_serve["frontend"], token=TOKEN) as client:
+        plain = client.chat(QUESTION, max_tokens=16, temperature=0.0).choices[0]
+        paris = [t for t in plain.token_ids if "Paris" in client.detokenize([t])]
+        assert paris, plain.text  # the greedy answer has a token that spells Paris
+        request = {"messages": QUESTION, "max_tokens": 16, "temperature": 0.0}
+        banned = client.stub.Generate(_with_bias(paris[0]), metadata=client.metadata, timeout=60).choices[0]
+        assert paris[0] not in banned.token_ids and banned.token_ids != plain.token_ids
+    reply = oai.chat.completions.create(model=SERVED, **request, logit_bias={str(paris[0]): -100})
+    assert reply.choices[0].message.content == banned.text  # the same request over HTTP
+
+
+def _with_bias(token: int):
+    """The greedy capital question as a GenerateRequest whose sampling bans `token`."""
+    from tandem.client import build_request
+
+    req = build_request(messages=QUESTION, max_tokens=16, temperature=0.0)
+    req.sampling.logit_bias[token] = -100.0
+    return req

@@ -102,3 +102,12 @@ def test_bearer_denial_matches_the_grpc_interceptor():
     assert bearer_denial(tokens, [("authorization", "Bearer good")]) is None
     assert bearer_denial(tokens, [("authorization", "Bearer bad")]) == grpc.StatusCode.PERMISSION_DENIED
     assert bearer_denial(tokens, [("x-other", "1")]) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_logit_bias_maps_onto_the_sampling_map():
+    req = openai_wire.chat_request({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"42": -100, "7": 2.5}})
+    assert dict(req.sampling.logit_bias) == {42: -100.0, 7: 2.5}
+    for bad in ({"x": 1}, {"1": "high"}, [1], {str(2**40): 1}):
+        with pytest.raises(InvalidRequest) as info:
+            openai_wire.completion_request({"prompt": "x", "logit_bias": bad})
+        assert info.value.field == "logit_bias"

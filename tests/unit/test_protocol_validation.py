@@ -251,3 +251,21 @@ def test_finish_reasons_map_to_the_wire():
         FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
         FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
     }
+
+
+def test_logit_bias_bounds():
+    def biased(entries: dict) -> common_pb2.SamplingParams:
+        msg = common_pb2.SamplingParams()
+        for token, value in entries.items():
+            msg.logit_bias[token] = value
+        return msg
+
+    assert accepted(biased({0: -100.0, VOCAB - 1: 100.0})).logit_bias == {0: -100.0, VOCAB - 1: 100.0}
+    assert accepted(sampling()).logit_bias == {}
+    assert refused(biased({VOCAB: 1.0})) == f"logit_bias: token id {VOCAB} is outside the vocabulary [0, {VOCAB})"
+    assert refused(biased({-1: 1.0})) == f"logit_bias: token id -1 is outside the vocabulary [0, {VOCAB})"
+    assert refused(biased({3: 100.5})) == "logit_bias: the bias of token 3 must be in [-100, 100]"
+    assert refused(biased({3: math.nan})) == "logit_bias: the bias of token 3 must be in [-100, 100]"
+    big = Limits(vocab_size=5000, max_model_len=4096, default_max_tokens=100)
+    assert len(accepted(biased({i: 1.0 for i in range(1024)}), limits=big).logit_bias) == 1024
+    assert refused(biased({i: 1.0 for i in range(1025)}), limits=big) == "logit_bias: at most 1024 entries"

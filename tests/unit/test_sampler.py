@@ -588,3 +588,39 @@ def test_top_p_one_keeps_the_tail_that_cumsum_rounding_would_cut() -> None:
     sampler._exponential_noise = noise  # type: ignore[method-assign]
     out = sampler.sample(logits, seqs)
     assert out.token_ids == [5, 0]  # the top_p = 0.5 row keeps only the dominant token
+
+
+# -- logit_bias ----------------------------------------------------------------------------------
+
+
+def test_logit_bias_is_added_and_minus_100_bans() -> None:
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 30, generator=gen)
+    logits[:, 5] = 1000.0  # far above the rest: +(-100) alone would not dethrone it
+    banned = SamplingParams(temperature=0.0, logit_bias={5: -100.0})
+    nudged = SamplingParams(temperature=0.0, logit_bias={5: -99.0})
+    boosted = SamplingParams(temperature=0.0, logit_bias={3: 100.0})
+    plain = SamplingParams(temperature=0.0)
+    out = Sampler(seed=1).sample(logits.clone(), [make_seq(p) for p in (banned, nudged, boosted, plain)])
+    row0 = logits[0].clone()
+    row0[5] = -math.inf
+    assert out.token_ids[0] == int(row0.argmax())  # banned: the next best
+    assert out.token_ids[1] == 5 and out.token_ids[3] == 5  # a bias, not a ban; and no bias at all
+    assert out.token_ids[2] == 5  # +100 on token 3 stays below the 1000 of token 5
+
+
+def test_banned_token_is_never_sampled_at_temperature_one() -> None:
+    logits = torch.zeros(256, 8)
+    logits[:, 2] = 5.0  # the favourite by far
+    seqs = [make_seq(SamplingParams(temperature=1.0, seed=i, logit_bias={2: -100.0, 6: 3.0})) for i in range(256)]
+    tokens = Sampler(seed=3).sample(logits, seqs).token_ids
+    counts = Counter(tokens)
+    assert 2 not in counts
+    assert counts.most_common(1)[0][0] == 6  # +3 on a flat rest makes 6 the likeliest
+
+
+def test_logit_bias_leaves_logprobs_raw() -> None:
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(2))
+    out = Sampler().sample(logits, [make_seq(SamplingParams(temperature=0.0, logprobs=0, logit_bias={0: 50.0}))])
+    assert out.token_ids == [0]
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[0].item(), abs=1e-5)

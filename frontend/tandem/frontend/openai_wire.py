@@ -132,6 +132,20 @@ def _common(body: dict, req: frontend_pb2.GenerateRequest) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidRequest("stream_options", "must be an object")
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise InvalidRequest("logit_bias", "must be an object of token id -> bias")
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequest("logit_bias", f"key {key!r} is not a token id") from None
+            if not -2**31 <= token < 2**31:
+                raise InvalidRequest("logit_bias", f"token id {token} is outside the vocabulary")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidRequest("logit_bias", f"the bias of token {key} must be a number")
+            s.logit_bias[token] = value
     truncate = _int(body, "truncate_prompt_tokens")
     if truncate is not None:
         req.truncate_prompt_tokens = truncate
@@ -165,7 +179,6 @@ def completion_request(body: dict) -> frontend_pb2.GenerateRequest:
         req.sampling.logprobs = logprobs
     _refuse(body, "echo")
     _refuse(body, "suffix", (None, ""))
-    _refuse(body, "logit_bias", (None, {}))
     return req
 
 
@@ -206,7 +219,6 @@ def chat_request(body: dict) -> frontend_pb2.GenerateRequest:
         req.add_generation_prompt = add_gen
     _refuse(body, "tools", (None, []))
     _refuse(body, "tool_choice", (None, "none", "auto"))
-    _refuse(body, "logit_bias", (None, {}))
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise InvalidRequest("response_format", "only {\"type\": \"text\"} is supported by this server")

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.core_protocol import SamplingParams, TokenLogprobs
+from tandem.core_protocol import LOGIT_BAN, SamplingParams, TokenLogprobs
 from tandem.kernels.sampling import apply_top_k_top_p_min_p, apply_top_k_top_p_min_p_reference
 
 
@@ -109,7 +109,7 @@ class Sampler:
         if not seqs:
             return PendingSample(torch.zeros(0, dtype=torch.long, device=device), None, params)
 
-        work = self._apply_logit_masks_and_penalties(raw, seqs)
+        work = _apply_logit_bias(self._apply_logit_masks_and_penalties(raw, seqs), raw, seqs)
 
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -311,6 +311,30 @@ class PendingSample:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+def _apply_logit_bias(work: torch.Tensor, raw: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
+    """Adds each row's `logit_bias` to its logits (a bias of LOGIT_BAN makes the logit -inf, so
+    the token is never sampled, whatever its logit). One sparse scatter for the batch; `work`
+    itself when no row has a bias (`raw`, the logprobs' source, is never written)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    vocab = work.shape[1]
+    for i, seq in enumerate(seqs):
+        for token, bias in seq.params.logit_bias.items():
+            if 0 <= token < vocab:
+                rows.append(i)
+                cols.append(token)
+                values.append(-math.inf if bias <= LOGIT_BAN else bias)
+    if not rows:
+        return work
+    if work is raw:
+        work = raw.clone()
+    device = work.device
+    work.index_put_((_to_device(rows, torch.long, device), _to_device(cols, torch.long, device)),
+                    _to_device(values, work.dtype, device), accumulate=True)
+    return work
+
+
 def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor on `device` without a host sync: a plain `.to()` from pageable memory
     waits for the device's queue to drain, which would stall an overlapped step."""
