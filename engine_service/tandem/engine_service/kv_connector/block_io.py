@@ -109,7 +109,7 @@ class KVBlockIO:
         host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
         host.copy_(rows, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(self.device))  # the cache's device, not this thread's default
         return host, ready
 
     def host_rows(self, group: int, n: int) -> torch.Tensor:
