@@ -52,6 +52,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     # Token id -> bias added to its logit before sampling; -100 (LOGIT_BAN) bans the token.
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    # Prefix-cache partition (the block hash chain starts from it); "" is the shared one.
+    cache_salt: str = ""
 
     @property
     def greedy(self) -> bool:

@@ -80,6 +80,7 @@ def _token_id(field: str, value: int, vocab_size: int) -> int:
 
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CACHE_SALT_BYTES = 256
 
 
 def _logit_bias(bias, vocab_size: int) -> dict[int, float]:
@@ -158,6 +159,10 @@ def sampling_from_proto(
         p.min_tokens = msg.min_tokens
     if msg.logit_bias:
         p.logit_bias = _logit_bias(msg.logit_bias, limits.vocab_size)
+    if msg.cache_salt:
+        if len(msg.cache_salt.encode("utf-8", "surrogatepass")) > MAX_CACHE_SALT_BYTES:
+            raise InvalidRequest("cache_salt", f"at most {MAX_CACHE_SALT_BYTES} bytes")
+        p.cache_salt = msg.cache_salt
     sequences = stop_token_sequences or []
     if len(sequences) > MAX_STOP_SEQUENCES:
         raise InvalidRequest("stop_token_sequences", f"at most {MAX_STOP_SEQUENCES} sequences")

@@ -202,3 +202,17 @@ def _with_bias(token: int):
     req = build_request(messages=QUESTION, max_tokens=16, temperature=0.0)
     req.sampling.logit_bias[token] = -100.0
     return req
+
+
+def test_cache_salts_do_not_share_cached_prompt_blocks(oai):
+    system = "You are a careful geography teacher. " * 20  # many full KV blocks, unique to this test
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Capital of Italy?"}]
+
+    def cached(salt: str) -> int:
+        reply = oai.chat.completions.create(model=SERVED, messages=messages, max_tokens=1, temperature=0,
+                                            extra_body={"cache_salt": salt})
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 100  # the same salt reuses the prompt's blocks
+    assert cached("tenant-b") == 0  # another salt: the same prompt hits nothing

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine_service.cache.block_manager import BlockManager, hash_block
+from tandem.engine_service.cache.block_manager import BlockManager, hash_block, salt_root
 from tandem.engine_service.sequence import SamplingParams, Sequence
 
 BS = 4
@@ -131,6 +131,25 @@ def test_equal_block_after_different_prefixes_never_shares_kv() -> None:
     # The hash of a child block depends on the parent's value, not only on having one.
     parent1, parent2 = hash_block(None, p1), hash_block(None, p2)
     assert hash_block(parent1, shared) != hash_block(parent2, shared)
+
+
+def test_cache_salts_partition_the_prefix_cache() -> None:
+    """Sequences share cached blocks only within one cache_salt (the unsalted ones are one more
+    partition): the same prompt under another salt hits nothing."""
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+    def salted(rid: str, salt: str) -> Sequence:
+        return Sequence(rid, list(prompt), SamplingParams(cache_salt=salt))
+
+    a = salted("a", "tenant-a")
+    assert prefill(bm, a) == 0
+    bm.free(a)
+    assert bm.match_prefix(salted("b", "tenant-b")) == 0
+    assert bm.match_prefix(make_seq("c", list(prompt))) == 0  # unsalted: not tenant-a's either
+    assert bm.match_prefix(salted("d", "tenant-a")) == 8  # the same salt hits
+    assert salt_root("") is None and salt_root("x") != salt_root("y")
+    assert hash_block(salt_root("x"), prompt[:4]) != hash_block(None, prompt[:4])
 
 
 def test_every_hit_block_was_written_after_the_same_prefix() -> None:

@@ -269,3 +269,10 @@ def test_logit_bias_bounds():
     big = Limits(vocab_size=5000, max_model_len=4096, default_max_tokens=100)
     assert len(accepted(biased({i: 1.0 for i in range(1024)}), limits=big).logit_bias) == 1024
     assert refused(biased({i: 1.0 for i in range(1025)}), limits=big) == "logit_bias: at most 1024 entries"
+
+
+def test_cache_salt_bound():
+    assert accepted(sampling(cache_salt="tenant-a")).cache_salt == "tenant-a"
+    assert accepted(sampling()).cache_salt == ""
+    assert accepted(sampling(cache_salt="é" * 128)).cache_salt == "é" * 128  # 256 bytes
+    assert refused(sampling(cache_salt="é" * 128 + "x")) == "cache_salt: at most 256 bytes"

@@ -38,7 +38,8 @@ from tandem.engine_service.cache.state_pool import CheckpointSlots, StateSlotPoo
 from tandem.engine_service.cache.state_slot_manager import StateSlotManager
 from tandem.engine_service.sequence import Sequence
 
-__all__ = ["NULL_BLOCK", "PAGED_MANAGERS", "BlockManager", "PagedGroup", "first_needed_block", "hash_block"]
+__all__ = ["NULL_BLOCK", "PAGED_MANAGERS", "BlockManager", "PagedGroup", "first_needed_block", "hash_block",
+           "salt_root"]
 
 # Distinguishes the first block of a sequence (no parent) from a block whose parent hash
 # happens to have any particular value.
@@ -63,6 +64,16 @@ def hash_block(parent_hash: int | None, token_ids: SeqOf[int]) -> int:
     else:
         h.update(_CHILD_TAG + parent_hash.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def salt_root(cache_salt: str) -> int | None:
+    """The parent hash of a sequence's first block: None (the shared chain) without a salt, else
+    a hash of the salt, so sequences of different salts never share a cached block."""
+    if not cache_salt:
+        return None
+    h = hashlib.blake2b(digest_size=8, person=b"tandem-salt")
+    h.update(cache_salt.encode("utf-8", "surrogatepass"))
     return int.from_bytes(h.digest(), "little")
 
 
@@ -241,7 +252,7 @@ class BlockManager:
         kv_scans = scans[: self.num_groups]
         other_scans = scans[self.num_groups :]
         hashes: list[int] = []
-        parent: int | None = None
+        parent: int | None = salt_root(seq.params.cache_salt)
         best = kv_best = 0
         for i in range((len(tokens) - 1) // bs):
             h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
@@ -343,7 +354,7 @@ class BlockManager:
             return
         tokens = seq.token_ids
         for i in range(first, num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else salt_root(seq.params.cache_salt)
             seq.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
         for m in self.managers:
             m.cache_blocks(seq, first, num_full)
