@@ -54,6 +54,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     # Prefix-cache partition (the block hash chain starts from it); "" is the shared one.
     cache_salt: str = ""
+    # Waiting-queue rank under the priority scheduling policy: lower goes first.
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:

@@ -163,6 +163,8 @@ def sampling_from_proto(
         if len(msg.cache_salt.encode("utf-8", "surrogatepass")) > MAX_CACHE_SALT_BYTES:
             raise InvalidRequest("cache_salt", f"at most {MAX_CACHE_SALT_BYTES} bytes")
         p.cache_salt = msg.cache_salt
+    if msg.HasField("priority"):
+        p.priority = msg.priority
     sequences = stop_token_sequences or []
     if len(sequences) > MAX_STOP_SEQUENCES:
         raise InvalidRequest("stop_token_sequences", f"at most {MAX_STOP_SEQUENCES} sequences")

@@ -111,3 +111,12 @@ def test_logit_bias_maps_onto_the_sampling_map():
         with pytest.raises(InvalidRequest) as info:
             openai_wire.completion_request({"prompt": "x", "logit_bias": bad})
         assert info.value.field == "logit_bias"
+
+
+def test_priority_and_cache_salt_map_onto_sampling():
+    req = openai_wire.completion_request({"prompt": "x", "priority": -2, "cache_salt": "t1"})
+    assert req.sampling.priority == -2 and req.sampling.HasField("priority") and req.sampling.cache_salt == "t1"
+    for bad in ({"priority": 2**40}, {"priority": "high"}, {"cache_salt": 5}):
+        with pytest.raises(InvalidRequest) as info:
+            openai_wire.completion_request({"prompt": "x", **bad})
+        assert info.value.field == next(iter(bad))

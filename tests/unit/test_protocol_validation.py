@@ -276,3 +276,8 @@ def test_cache_salt_bound():
     assert accepted(sampling()).cache_salt == ""
     assert accepted(sampling(cache_salt="é" * 128)).cache_salt == "é" * 128  # 256 bytes
     assert refused(sampling(cache_salt="é" * 128 + "x")) == "cache_salt: at most 256 bytes"
+
+
+def test_priority_passes_through():
+    assert accepted(sampling(priority=-3)).priority == -3
+    assert accepted(sampling()).priority == 0

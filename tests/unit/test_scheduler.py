@@ -68,10 +68,11 @@ class Driver:
         caching: bool = True,
         max_model_len: int | None = None,
         prefill_cap: int = 0,
+        policy: str = "fcfs",
     ) -> None:
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-            max_prefill_tokens_per_seq=prefill_cap,
+            max_prefill_tokens_per_seq=prefill_cap, scheduling_policy=policy,
         )
         # Without chunked prefill the scheduler requires max_model_len <= the step budget.
         self.max_model_len = max_model_len or (10_000 if chunked else budget)
@@ -204,6 +205,33 @@ def test_max_num_seqs() -> None:
     assert [s.seq for s in out.scheduled] == [b, c]
     d.run()
     assert all(s.output_token_ids == expected_outputs(s, d.expected_len(s)) for s in (a, b, c))
+
+
+def test_priority_policy_admits_a_high_priority_request_before_queued_low_ones() -> None:
+    def run(policy: str) -> list[str]:
+        d = Driver(max_num_seqs=1, policy=policy)
+        order: list[str] = []
+        for rid, priority in (("low-1", 5), ("low-2", 5), ("low-3", 5)):
+            seq = Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=2, priority=priority))
+            d.seqs[rid] = seq
+            d.sched.add(seq)
+        d.step()  # low-1 runs (max_num_seqs 1); low-2 and low-3 queue behind it
+        urgent = Sequence("urgent", [4, 5, 6], SamplingParams(max_tokens=2, priority=-1))
+        d.seqs["urgent"] = urgent
+        d.sched.add(urgent)
+        same = Sequence("low-4", [7, 8], SamplingParams(max_tokens=2, priority=5))
+        d.seqs["low-4"] = same
+        d.sched.add(same)
+        for _ in range(100):
+            if not d.sched.has_work():
+                break
+            for item in d.step().scheduled:
+                if item.seq.request_id not in order:
+                    order.append(item.seq.request_id)
+        return order
+
+    assert run("priority") == ["low-1", "urgent", "low-2", "low-3", "low-4"]  # ties keep arrival order
+    assert run("fcfs") == ["low-1", "low-2", "low-3", "urgent", "low-4"]  # the priority field is ignored
 
 
 def test_without_chunked_prefill_whole_prompts_only() -> None:

@@ -36,6 +36,9 @@ class SchedulerConfig:
     max_prefill_tokens_per_seq: int | None = _opt(
         None, "fair prefill: prompt tokens of one request per step, so a long prompt cannot hold up others; "
               "0: no cap (default: 512 on CUDA, 16 on CPU)")
+    scheduling_policy: str = _opt("fcfs", "order of the waiting queue: fcfs (arrival order), or priority "
+                                          "(a request's priority first, lower is earlier; arrival order "
+                                          "among equals)", choices=("fcfs", "priority"))
     max_waiting_requests: int = _opt(1024, "bound of the waiting queue (requests)")
     max_waiting_tokens: int = _opt(1 << 20, "bound of the waiting queue (prompt tokens)")
     # Overlapped scheduling: build and launch step N+1 while step N runs on the device.

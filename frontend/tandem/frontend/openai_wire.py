@@ -7,7 +7,7 @@ the HTTP layer answers with OpenAI's error object and status 400.
 
 Fields outside OpenAI's schema that vLLM also accepts (`top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`,
-`add_generation_prompt`, `return_token_ids`, `truncate_prompt_tokens`, `cache_salt`) map onto
+`add_generation_prompt`, `return_token_ids`, `truncate_prompt_tokens`, `cache_salt`, `priority`) map onto
 the matching protobuf fields (`logit_bias` too); other unknown fields are ignored, as
 OpenAI-compatible servers do. Features Tandem does not implement
 (tools, structured `response_format`, `echo`, `suffix`, `best_of` > n, several prompts per
@@ -147,6 +147,11 @@ def _common(body: dict, req: frontend_pb2.GenerateRequest) -> None:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidRequest("logit_bias", f"the bias of token {key} must be a number")
             s.logit_bias[token] = value
+    priority = _int(body, "priority")
+    if priority is not None:
+        if not -2**31 <= priority < 2**31:
+            raise InvalidRequest("priority", "must fit a 32-bit integer")
+        s.priority = priority
     salt = _typed(body, "cache_salt", (str,), "a string")
     if salt is not None:
         s.cache_salt = salt

@@ -3,7 +3,8 @@
 Unified chunked prefill (as in vLLM v1): there are no prefill and decode phases. Each step has
 a token budget; every scheduled sequence gets `min(tokens it still has to compute, budget
 left)`. A sequence in the middle of its prompt and a sequence decoding its next token differ
-only in that count. Running sequences go first (in arrival order), then waiting ones (FIFO).
+only in that count. Running sequences go first (in arrival order), then waiting ones (FIFO,
+or by request priority under `scheduling_policy` "priority", FIFO among equals).
 
 Fairness under long prompts: one sequence's prompt chunk is capped per step
 (`SchedulerConfig.max_prefill_tokens_per_seq`), so a long prompt is spread over several steps
@@ -155,9 +156,24 @@ class Scheduler:
         if seq.request_id in self._requests:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
         self._requests[seq.request_id] = seq
         self._num_deadlines += seq.deadline is not None
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """FCFS: at the end. Priority policy: before the first waiting sequence of a larger
+        (later) priority, so equal priorities keep arrival order (a preempted sequence, put back
+        at the front by `_preempt`, is overtaken only by a higher priority too). Running
+        sequences are never preempted for priority: it orders admission only."""
+        if self.config.scheduling_policy != "priority":
+            self.waiting.append(seq)
+            return
+        rank = seq.params.priority
+        for i, other in enumerate(self.waiting):
+            if other.params.priority > rank:
+                self.waiting.insert(i, seq)
+                return
+        self.waiting.append(seq)
 
     def add_refused(self, seq: Sequence, stop: SchedulerStop) -> None:
         """Takes a request that must end before it runs (it never waits): the next `schedule`
