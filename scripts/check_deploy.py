@@ -7,7 +7,7 @@
    checked for their kind and apiVersion only);
 2. the plain manifests in `deploy/k8s/` pass `kubernetes-validate --strict`;
 3. the Envoy configuration passes `envoy --mode validate`;
-4. every Dockerfile passes hadolint at the `error` threshold (its warnings are printed).
+4. every Dockerfile passes hadolint with no finding at all (the `info` threshold).
 
 Rendering uses Helm's own engine (the `helm-python-sdk` wheel), so no helm binary is needed.
 Exits non-zero on the first failing step.
@@ -80,7 +80,7 @@ def main() -> int:
     run([str(BIN / "kubernetes-validate"), "--strict", "--quiet", *map(str, sorted((REPO / "deploy" / "k8s").glob("*.yaml")))])
     run([str(BIN / "envoy"), "--mode", "validate", "-l", "warning", "-c", str(REPO / "deploy" / "mesh" / "envoy.yaml")])
     for dockerfile in sorted(REPO.glob("deploy/**/Dockerfile*")):
-        run([str(BIN / "hadolint"), "--no-color", "--failure-threshold", "error", str(dockerfile)])
+        run([str(BIN / "hadolint"), "--no-color", "--failure-threshold", "info", str(dockerfile)])
     print("deploy checks passed")
     return 0
 
