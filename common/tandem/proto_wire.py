@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import json_format, struct_pb2, unknown_fields
 
 from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
 from tandem.sampling_ranges import (  # noqa: F401 - the bounds are re-exported for callers of this module
@@ -374,24 +374,18 @@ def kv_transfer_params_of(request, metadata) -> KVTransferParams | None:
     return None
 
 
-# Frontend requests from clients built before the typed message carry the parameters as a
-# Struct with the same keys, in this (deprecated) field at the original field number.
-LEGACY_KV_TRANSFER_FIELD = "legacy_kv_transfer_params"
+# The field number of the untyped Struct form of a frontend request's KV transfer parameters
+# (removed; reserved in frontend.proto).
+REMOVED_LEGACY_KV_FIELD_NUMBER = 9
 
 
-def adopt_legacy_kv_params(request) -> None:
-    """Copies a frontend request's deprecated `legacy_kv_transfer_params` Struct into the typed
-    `kv_transfer_params` (unless that is set too: the typed field wins). The legacy field stays
-    set, so that the reply repeats the parameters in that form; raises InvalidRequest naming it."""
-    if not request.HasField(LEGACY_KV_TRANSFER_FIELD):
-        return
-    legacy = getattr(request, LEGACY_KV_TRANSFER_FIELD)
-    if legacy.ByteSize() > MAX_KV_TRANSFER_PARAMS_BYTES:
-        raise InvalidRequest(LEGACY_KV_TRANSFER_FIELD, f"{legacy.ByteSize()} bytes serialized; at most "
-                                                       f"{MAX_KV_TRANSFER_PARAMS_BYTES}")
-    if not request.HasField("kv_transfer_params"):
-        params = kv_transfer_from_dict(json_format.MessageToDict(legacy), LEGACY_KV_TRANSFER_FIELD)
-        request.kv_transfer_params.CopyFrom(kv_transfer_to_proto(params))
+def refuse_removed_legacy_kv_params(request) -> None:
+    """Raises InvalidRequest when `request` carries the removed Struct form of its KV transfer
+    parameters (an unknown field 9 now): a router built against it is told, not silently
+    served without its transfer."""
+    if any(f.field_number == REMOVED_LEGACY_KV_FIELD_NUMBER for f in unknown_fields.UnknownFieldSet(request)):
+        raise InvalidRequest("legacy_kv_transfer_params", "removed: send kv_transfer_params (the typed message, "
+                                                          "field 14) or the x-tandem-kv-transfer header")
 
 
 def kv_params_steer(params: common_pb2.KVTransferParams) -> bool:
@@ -411,12 +405,9 @@ def public_kv_params(params: common_pb2.KVTransferParams) -> common_pb2.KVTransf
     return common_pb2.KVTransferParams(extra=params.extra)
 
 
-def set_reply_kv_params(msg, params: common_pb2.KVTransferParams, legacy: bool) -> None:
-    """Puts the returned parameters on a frontend reply: the typed field always, and the
-    deprecated Struct as well when the request came in that form."""
+def set_reply_kv_params(msg, params: common_pb2.KVTransferParams) -> None:
+    """Puts the returned parameters on a frontend reply."""
     msg.kv_transfer_params.CopyFrom(params)
-    if legacy:
-        getattr(msg, LEGACY_KV_TRANSFER_FIELD).CopyFrom(to_struct(kv_transfer_from_proto(params).to_dict()))
 
 
 def to_struct(data: dict) -> struct_pb2.Struct:

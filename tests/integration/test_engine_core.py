@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import grpc
-from google.protobuf import json_format
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -224,38 +223,27 @@ def test_kv_transfer_params_round_trip_through_the_core(serve, trusted_frontend)
 
 
 def _old_client_request(params: dict) -> frontend_pb2.GenerateRequest:
-    """The bytes a client built before the typed message sends: the parameters as a Struct in
-    field 9 (wire type 2), decoded by today's schema."""
+    """The bytes a client built against the removed Struct form sends: the parameters as a
+    Struct in field 9 (wire type 2), decoded by today's schema (an unknown field)."""
     body = build_request(prompt="Hello", max_tokens=2).SerializeToString()
     struct = to_struct(params).SerializeToString()
     assert len(struct) < 128  # one-byte length varint below
     return frontend_pb2.GenerateRequest.FromString(body + bytes([9 << 3 | 2, len(struct)]) + struct)
 
 
-def test_kv_transfer_params_from_clients_built_before_the_typed_message(trusted_frontend):
-    """The deprecated Struct form still works through a trusting frontend: the parameters reach
-    the engine typed, and the reply carries them in both forms; a typed field given too wins."""
-    params = {"remote_engine_id": "old-router", "remote_block_ids": [7, 8], "remote_port": 5601, "tag": "t"}
+def test_kv_transfer_params_in_the_removed_struct_form_are_refused(trusted_frontend):
+    """A router still sending the Struct form is told (INVALID_ARGUMENT naming the field), not
+    served without its transfer; the typed form works as ever."""
+    params = {"remote_engine_id": "old-router", "remote_block_ids": [7, 8], "remote_port": 5601}
     with TandemClient(trusted_frontend) as c:
-        req = _old_client_request(params)
-        assert req.HasField("legacy_kv_transfer_params") and not req.HasField("kv_transfer_params")
-        reply = c.stub.Generate(req, timeout=30)
-        assert json_format.MessageToDict(reply.legacy_kv_transfer_params) == {**params, "remote_block_ids": [7.0, 8.0],
-                                                                              "remote_port": 5601.0}
-        typed = reply.kv_transfer_params
-        assert (typed.remote_engine_id, list(typed.remote_block_ids), typed.remote_port) == ("old-router", [7, 8], 5601)
-        assert dict(typed.extra) == {"tag": "t"}
-        last = list(c.stub.Stream(_old_client_request(params), timeout=30))[-1]
-        assert last.legacy_kv_transfer_params == reply.legacy_kv_transfer_params
-        both = _old_client_request(params)
-        both.kv_transfer_params.remote_engine_id = "typed"
-        assert c.stub.Generate(both, timeout=30).kv_transfer_params.remote_engine_id == "typed"
-        plain = c.stub.Generate(build_request(prompt="Hello", max_tokens=2), timeout=30)
-        assert not plain.HasField("legacy_kv_transfer_params") and not plain.HasField("kv_transfer_params")
-        with pytest.raises(grpc.RpcError) as err:
-            c.stub.Generate(_old_client_request({"remote_port": 70000}), timeout=30)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details().startswith("legacy_kv_transfer_params.remote_port"), err.value.details()
+        for call in (c.stub.Generate, lambda r, timeout: list(c.stub.Stream(r, timeout=timeout))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(_old_client_request(params), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("legacy_kv_transfer_params: removed"), err.value.details()
+        typed = build_request(prompt="Hello", max_tokens=2)
+        typed.kv_transfer_params.extra.update({"tag": "t"})
+        assert dict(c.stub.Generate(typed, timeout=30).kv_transfer_params.extra) == {"tag": "t"}
 
 
 def test_a_24_kib_request_id_gets_a_bounded_error_not_resource_exhausted(serve):

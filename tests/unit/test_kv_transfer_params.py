@@ -12,14 +12,14 @@ from tandem.proto_wire import (
     KV_TRANSFER_HEADER,
     MAX_KV_TRANSFER_PARAMS_BYTES,
     InvalidRequest,
-    adopt_legacy_kv_params,
     kv_transfer_from_dict,
     kv_transfer_from_header,
     kv_transfer_from_metadata,
     kv_transfer_from_proto,
     kv_transfer_params_of,
     kv_transfer_to_proto,
-    set_reply_kv_params,
+    refuse_removed_legacy_kv_params,
+    to_struct,
 )
 from tandem.v1 import common_pb2, engine_pb2, frontend_pb2
 
@@ -123,55 +123,25 @@ STRUCT_ERA_NUMBERS = {frontend_pb2.GenerateRequest: 9, frontend_pb2.GenerateResp
 
 
 def test_no_field_number_changed_its_type():
-    """The typed message took new numbers: the public messages keep a Struct at the old ones and
-    the internal ones reserve them, so no old sender's bytes are read as a different type."""
+    """The typed message took new numbers and the Struct-era ones are reserved: no old sender's
+    bytes are read as a different type."""
     for cls, number in STRUCT_ERA_NUMBERS.items():
         desc = cls.DESCRIPTOR
         assert desc.fields_by_name["kv_transfer_params"].number != number
-        old = desc.fields_by_number.get(number)
-        if cls.__module__.endswith("frontend_pb2"):
-            assert old.name == "legacy_kv_transfer_params" and old.message_type.full_name == "google.protobuf.Struct"
-        else:
-            assert old is None, f"{desc.name} field {number} must stay reserved"
+        assert desc.fields_by_number.get(number) is None, f"{desc.name} field {number} must stay reserved"
+        assert "legacy_kv_transfer_params" not in desc.fields_by_name
 
 
-def test_legacy_struct_is_adopted_and_echoed_in_both_forms():
-    req = frontend_pb2.GenerateRequest(prompt="hi")
-    req.legacy_kv_transfer_params.update({"do_remote_decode": True, "remote_block_ids": [1, 2], "remote_port": 7000,
-                                          "router": "r"})
-    adopt_legacy_kv_params(req)
-    assert req.kv_transfer_params.do_remote_decode and list(req.kv_transfer_params.remote_block_ids) == [1, 2]
-    assert req.kv_transfer_params.remote_port == 7000 and dict(req.kv_transfer_params.extra) == {"router": "r"}
-    reply = frontend_pb2.GenerateResponse()
-    set_reply_kv_params(reply, req.kv_transfer_params, legacy=True)
-    assert reply.kv_transfer_params == req.kv_transfer_params
-    assert kv_transfer_from_dict(json_format.MessageToDict(reply.legacy_kv_transfer_params)) == \
-        kv_transfer_from_proto(req.kv_transfer_params)
-    typed_only = frontend_pb2.GenerateResponse()
-    set_reply_kv_params(typed_only, req.kv_transfer_params, legacy=False)
-    assert not typed_only.HasField("legacy_kv_transfer_params")
-    # The typed field wins when a request has both; a request with neither is left alone.
-    both = frontend_pb2.GenerateRequest(prompt="hi")
-    both.legacy_kv_transfer_params.update({"remote_engine_id": "legacy"})
-    both.kv_transfer_params.remote_engine_id = "typed"
-    adopt_legacy_kv_params(both)
-    assert both.kv_transfer_params.remote_engine_id == "typed"
-    neither = frontend_pb2.GenerateRequest(prompt="hi")
-    adopt_legacy_kv_params(neither)
-    assert not neither.HasField("kv_transfer_params")
-
-
-@pytest.mark.parametrize("legacy, field", [
-    ({"remote_port": 0}, "legacy_kv_transfer_params.remote_port"),
-    ({"do_remote_decode": "yes"}, "legacy_kv_transfer_params.do_remote_decode"),
-    ({"blob": "x" * (MAX_KV_TRANSFER_PARAMS_BYTES + 1)}, "legacy_kv_transfer_params"),
-])
-def test_a_bad_legacy_struct_is_refused_naming_its_field(legacy, field):
-    req = frontend_pb2.GenerateRequest(prompt="hi")
-    req.legacy_kv_transfer_params.update(legacy)
+def test_a_request_in_the_removed_struct_form_is_refused():
+    """Bytes of a client built against the removed Struct field (9) are refused naming it, not
+    served silently without their transfer; a request without them passes."""
+    struct = to_struct({"remote_engine_id": "old-router"}).SerializeToString()
+    old = frontend_pb2.GenerateRequest.FromString(frontend_pb2.GenerateRequest(prompt="hi").SerializeToString()
+                                                  + bytes([9 << 3 | 2, len(struct)]) + struct)
     with pytest.raises(InvalidRequest) as err:
-        adopt_legacy_kv_params(req)
-    assert str(err.value).startswith(field + ":"), str(err.value)
+        refuse_removed_legacy_kv_params(old)
+    assert err.value.field == "legacy_kv_transfer_params" and "kv_transfer_params" in str(err.value)
+    refuse_removed_legacy_kv_params(frontend_pb2.GenerateRequest(prompt="hi"))
 
 
 def test_python_client_dict_becomes_the_typed_message():

@@ -265,7 +265,7 @@ def test_choice_state_gets_the_prepared_options(builder, tok):
     p = PreparedRequest(external_id="e", prompt_token_ids=tok.encode("Say:"), engine_requests=[],
                         stops=["STOP"], stop_sequence_owner=[0, 0], include_stop_str_in_output=True,
                         skip_special_tokens=False, want_logprobs=False, return_prompt_token_ids=False)
-    assert p.kv_transfer_params is None and p.extra == {} and p.legacy_kv_reply is False  # the dataclass defaults
+    assert p.kv_transfer_params is None and p.extra == {}  # the dataclass defaults
     c = builder.choice_state(p, 2)
     assert c.index == 2 and c.tokenizer is builder.tokenizer
     assert c.stops == ["STOP"] and c.stop_sequence_owner == [0, 0]

@@ -18,7 +18,6 @@ from tandem.core_protocol import SamplingParams
 from tandem.frontend.choice_state import ChoiceState
 from tandem.frontend.tokenizer import TextTokenizer
 from tandem.proto_wire import (
-    LEGACY_KV_TRANSFER_FIELD,
     MAX_CHOICES,
     MAX_KV_TRANSFER_PARAMS_BYTES,  # noqa: F401 - re-exported (the bound's documented home was here)
     MAX_STOP_SEQUENCE_LEN,
@@ -61,8 +60,6 @@ class PreparedRequest:
     want_logprobs: bool
     return_prompt_token_ids: bool
     kv_transfer_params: common_pb2.KVTransferParams | None = None
-    # The request used the deprecated Struct form: the reply carries that form too.
-    legacy_kv_reply: bool = False
     extra: dict = field(default_factory=dict)
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
@@ -193,7 +190,6 @@ class RequestBuilder:
             want_logprobs=request.sampling.HasField("logprobs"),
             return_prompt_token_ids=request.return_prompt_token_ids,
             kv_transfer_params=kv,
-            legacy_kv_reply=request.HasField(LEGACY_KV_TRANSFER_FIELD),
             sampling=sampling,
         )
 

@@ -36,12 +36,12 @@ from tandem.error_text import bounded, echo
 from tandem.grpc_service import reject_malformed
 from tandem.proto_wire import (
     InvalidRequest,
-    adopt_legacy_kv_params,
     check_prompt_token_ids,
     kv_params_steer,
     kv_transfer_from_metadata,
     kv_transfer_to_proto,
     public_kv_params,
+    refuse_removed_legacy_kv_params,
     set_reply_kv_params,
     to_struct,
 )
@@ -347,7 +347,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "frontend is draining")
         try:
-            adopt_legacy_kv_params(request)
+            refuse_removed_legacy_kv_params(request)
             header_kv = kv_transfer_from_metadata(context.invocation_metadata())
             if header_kv is not None:  # the header wins over the body's kv_transfer_params, whole
                 request.kv_transfer_params.CopyFrom(kv_transfer_to_proto(header_kv))
@@ -615,6 +615,6 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         if returned is not None and not self.trust_kv_callers:
             returned = public_kv_params(returned)  # no pull address, lease, secret or block ids
         if returned is not None:
-            set_reply_kv_params(msg, returned, legacy=prepared.legacy_kv_reply)
+            set_reply_kv_params(msg, returned)
         if prepared.return_prompt_token_ids:
             msg.prompt_token_ids.extend(prepared.prompt_token_ids)

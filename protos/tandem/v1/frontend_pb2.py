@@ -23,56 +23,49 @@ _sym_db = _symbol_database.Default()
 
 
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
-from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/frontend.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x94\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\'\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08H\x00\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x37\n\x12kv_transfer_params\x18\x0e \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12>\n\x19legacy_kv_transfer_params\x18\t \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x02\x88\x01\x01\x12\r\n\x05model\x18\x0b \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x0c \x01(\x08H\x03\x88\x01\x01\x12$\n\x17return_prompt_token_ids\x18\r \x01(\x08H\x04\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x0f \x01(\x05H\x05\x88\x01\x01\x42\x1d\n\x1b_include_stop_str_in_outputB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x18\n\x16_add_generation_promptB\x1a\n\x18_return_prompt_token_idsB\x19\n\x17_truncate_prompt_tokens\"\x85\x02\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\x08stop_str\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12%\n\x08logprobs\x18\x07 \x03(\x0b\x32\x13.tandem.v1.Logprobs\x12\x37\n\x12kv_transfer_params\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParamsB\x0e\n\x0cmatched_stop\"\xb2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12>\n\x19legacy_kv_transfer_params\x18\x05 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12\r\n\x05model\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\"\xb8\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12>\n\x19legacy_kv_transfer_params\x18\x05 \x01(\x0b\x32\x17.google.protobuf.StructB\x02\x18\x01\x12\r\n\x05model\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xd3\x02\n\x14GetModelInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\x03\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x34\n\x11sampling_defaults\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12 \n\x18sampling_defaults_source\x18\x07 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x03\x12\x16\n\x0etokenizer_kind\x18\t \x01(\t\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\x12\x14\n\x0c\x61rchitecture\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\"\x16\n\x14GetServerInfoRequest\"\x7f\n\x11\x45ngineReplicaInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x0f\n\x07kv_role\x18\x04 \x01(\t\x12\x14\n\x0ckv_engine_id\x18\x05 \x01(\t\x12\x15\n\rkv_transports\x18\x06 \x03(\t\"\xd0\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x15\n\rdisaggregated\x18\x02 \x01(\x08\x12\x18\n\x10\x65ngine_transport\x18\x03 \x01(\t\x12\x1d\n\x15\x66rontend_worker_index\x18\x04 \x01(\x05\x12\x18\n\x10\x66rontend_workers\x18\x05 \x01(\x05\x12-\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x1c.tandem.v1.EngineReplicaInfo\x12\r\n\x05ready\x18\x07 \x01(\x08\"\x11\n\x0fGetLoadsRequest\"\xb3\x02\n\x0bReplicaLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x16\n\x0ewaiting_tokens\x18\x06 \x01(\x03\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\t \x01(\x03\x12\x18\n\x10state_slots_used\x18\n \x01(\x05\x12\x11\n\tin_flight\x18\x0b \x01(\x05\x12\x1b\n\x13kv_loading_requests\x18\x0c \x01(\x05\x12\x18\n\x10kv_leases_active\x18\r \x01(\x05\x12\r\n\x05\x65rror\x18\x0e \x01(\t\"<\n\x10GetLoadsResponse\x12(\n\x08replicas\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ReplicaLoad\"\x98\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"P\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x03 \x01(\x03\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xd6\x04\n\x08\x46rontend\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12I\n\x06Stream\x12\x1a.tandem.v1.GenerateRequest\x1a!.tandem.v1.GenerateStreamResponse0\x01\x12@\n\x07Utility\x12\x19.tandem.v1.UtilityRequest\x1a\x1a.tandem.v1.UtilityResponse\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponse\x12R\n\rGetServerInfo\x12\x1f.tandem.v1.GetServerInfoRequest\x1a .tandem.v1.GetServerInfoResponse\x12\x43\n\x08GetLoads\x12\x1a.tandem.v1.GetLoadsRequest\x1a\x1b.tandem.v1.GetLoadsResponse\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/frontend.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf5\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\'\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08H\x00\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x37\n\x12kv_transfer_params\x18\x0e \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x02\x88\x01\x01\x12\r\n\x05model\x18\x0b \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x0c \x01(\x08H\x03\x88\x01\x01\x12$\n\x17return_prompt_token_ids\x18\r \x01(\x08H\x04\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x0f \x01(\x05H\x05\x88\x01\x01\x42\x1d\n\x1b_include_stop_str_in_outputB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x18\n\x16_add_generation_promptB\x1a\n\x18_return_prompt_token_idsB\x19\n\x17_truncate_prompt_tokensJ\x04\x08\t\x10\nR\x19legacy_kv_transfer_params\"\x85\x02\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x12\n\x08stop_str\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x12%\n\x08logprobs\x18\x07 \x03(\x0b\x32\x13.tandem.v1.Logprobs\x12\x37\n\x12kv_transfer_params\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParamsB\x0e\n\x0cmatched_stop\"\x93\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05J\x04\x08\x05\x10\x06R\x19legacy_kv_transfer_params\"\x99\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Choice\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05J\x04\x08\x05\x10\x06R\x19legacy_kv_transfer_params\"\x15\n\x13GetModelInfoRequest\"\xd3\x02\n\x14GetModelInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\x03\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x34\n\x11sampling_defaults\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12 \n\x18sampling_defaults_source\x18\x07 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\x08 \x01(\x03\x12\x16\n\x0etokenizer_kind\x18\t \x01(\t\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\x12\x14\n\x0c\x61rchitecture\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\"\x16\n\x14GetServerInfoRequest\"\x7f\n\x11\x45ngineReplicaInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x0f\n\x07kv_role\x18\x04 \x01(\t\x12\x14\n\x0ckv_engine_id\x18\x05 \x01(\t\x12\x15\n\rkv_transports\x18\x06 \x03(\t\"\xd0\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x15\n\rdisaggregated\x18\x02 \x01(\x08\x12\x18\n\x10\x65ngine_transport\x18\x03 \x01(\t\x12\x1d\n\x15\x66rontend_worker_index\x18\x04 \x01(\x05\x12\x18\n\x10\x66rontend_workers\x18\x05 \x01(\x05\x12-\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x1c.tandem.v1.EngineReplicaInfo\x12\r\n\x05ready\x18\x07 \x01(\x08\"\x11\n\x0fGetLoadsRequest\"\xb3\x02\n\x0bReplicaLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x16\n\x0ewaiting_tokens\x18\x06 \x01(\x03\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\t \x01(\x03\x12\x18\n\x10state_slots_used\x18\n \x01(\x05\x12\x11\n\tin_flight\x18\x0b \x01(\x05\x12\x1b\n\x13kv_loading_requests\x18\x0c \x01(\x05\x12\x18\n\x10kv_leases_active\x18\r \x01(\x05\x12\r\n\x05\x65rror\x18\x0e \x01(\t\"<\n\x10GetLoadsResponse\x12(\n\x08replicas\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ReplicaLoad\"\x98\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"P\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x03 \x01(\x03\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xd6\x04\n\x08\x46rontend\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12I\n\x06Stream\x12\x1a.tandem.v1.GenerateRequest\x1a!.tandem.v1.GenerateStreamResponse0\x01\x12@\n\x07Utility\x12\x19.tandem.v1.UtilityRequest\x1a\x1a.tandem.v1.UtilityResponse\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponse\x12R\n\rGetServerInfo\x12\x1f.tandem.v1.GetServerInfoRequest\x1a .tandem.v1.GetServerInfoResponse\x12\x43\n\x08GetLoads\x12\x1a.tandem.v1.GetLoadsRequest\x1a\x1b.tandem.v1.GetLoadsResponse\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.frontend_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST'].fields_by_name['legacy_kv_transfer_params']._loaded_options = None
-  _globals['_GENERATEREQUEST'].fields_by_name['legacy_kv_transfer_params']._serialized_options = b'\030\001'
-  _globals['_GENERATERESPONSE'].fields_by_name['legacy_kv_transfer_params']._loaded_options = None
-  _globals['_GENERATERESPONSE'].fields_by_name['legacy_kv_transfer_params']._serialized_options = b'\030\001'
-  _globals['_GENERATESTREAMRESPONSE'].fields_by_name['legacy_kv_transfer_params']._loaded_options = None
-  _globals['_GENERATESTREAMRESPONSE'].fields_by_name['legacy_kv_transfer_params']._serialized_options = b'\030\001'
-  _globals['_CHATMESSAGE']._serialized_start=93
-  _globals['_CHATMESSAGE']._serialized_end=137
-  _globals['_GENERATEREQUEST']._serialized_start=140
-  _globals['_GENERATEREQUEST']._serialized_end=800
-  _globals['_CHOICE']._serialized_start=803
-  _globals['_CHOICE']._serialized_end=1064
-  _globals['_GENERATERESPONSE']._serialized_start=1067
-  _globals['_GENERATERESPONSE']._serialized_end=1373
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1376
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1688
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1690
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1711
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1714
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2053
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2055
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2077
-  _globals['_ENGINEREPLICAINFO']._serialized_start=2079
-  _globals['_ENGINEREPLICAINFO']._serialized_end=2206
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=2209
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=2417
-  _globals['_GETLOADSREQUEST']._serialized_start=2419
-  _globals['_GETLOADSREQUEST']._serialized_end=2436
-  _globals['_REPLICALOAD']._serialized_start=2439
-  _globals['_REPLICALOAD']._serialized_end=2746
-  _globals['_GETLOADSRESPONSE']._serialized_start=2748
-  _globals['_GETLOADSRESPONSE']._serialized_end=2808
-  _globals['_TOKENIZEREQUEST']._serialized_start=2811
-  _globals['_TOKENIZEREQUEST']._serialized_end=2963
-  _globals['_TOKENIZERESPONSE']._serialized_start=2965
-  _globals['_TOKENIZERESPONSE']._serialized_end=3045
-  _globals['_DETOKENIZEREQUEST']._serialized_start=3047
-  _globals['_DETOKENIZEREQUEST']._serialized_end=3143
-  _globals['_DETOKENIZERESPONSE']._serialized_start=3145
-  _globals['_DETOKENIZERESPONSE']._serialized_end=3179
-  _globals['_FRONTEND']._serialized_start=3182
-  _globals['_FRONTEND']._serialized_end=3780
+  _globals['_CHATMESSAGE']._serialized_start=63
+  _globals['_CHATMESSAGE']._serialized_end=107
+  _globals['_GENERATEREQUEST']._serialized_start=110
+  _globals['_GENERATEREQUEST']._serialized_end=739
+  _globals['_CHOICE']._serialized_start=742
+  _globals['_CHOICE']._serialized_end=1003
+  _globals['_GENERATERESPONSE']._serialized_start=1006
+  _globals['_GENERATERESPONSE']._serialized_end=1281
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1284
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1565
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1567
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1588
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1591
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1930
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1932
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1954
+  _globals['_ENGINEREPLICAINFO']._serialized_start=1956
+  _globals['_ENGINEREPLICAINFO']._serialized_end=2083
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=2086
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2294
+  _globals['_GETLOADSREQUEST']._serialized_start=2296
+  _globals['_GETLOADSREQUEST']._serialized_end=2313
+  _globals['_REPLICALOAD']._serialized_start=2316
+  _globals['_REPLICALOAD']._serialized_end=2623
+  _globals['_GETLOADSRESPONSE']._serialized_start=2625
+  _globals['_GETLOADSRESPONSE']._serialized_end=2685
+  _globals['_TOKENIZEREQUEST']._serialized_start=2688
+  _globals['_TOKENIZEREQUEST']._serialized_end=2840
+  _globals['_TOKENIZERESPONSE']._serialized_start=2842
+  _globals['_TOKENIZERESPONSE']._serialized_end=2922
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2924
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3020
+  _globals['_DETOKENIZERESPONSE']._serialized_start=3022
+  _globals['_DETOKENIZERESPONSE']._serialized_end=3056
+  _globals['_FRONTEND']._serialized_start=3059
+  _globals['_FRONTEND']._serialized_end=3657
 # @@protoc_insertion_point(module_scope)
