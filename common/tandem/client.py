@@ -21,10 +21,11 @@ from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
     "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+    "logit_bias", "cache_salt", "priority",
 )
 REQUEST_FIELDS = (
     "request_id", "stop", "include_stop_str_in_output", "n", "skip_special_tokens", "model",
-    "add_generation_prompt", "return_prompt_token_ids",
+    "add_generation_prompt", "return_prompt_token_ids", "truncate_prompt_tokens",
 )
 
 
@@ -54,7 +55,9 @@ def build_request(
             target = req
         else:
             raise TypeError(f"unknown request field {key!r}")
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, dict):  # a map field (logit_bias)
+            getattr(target, key).update(value)
+        elif isinstance(value, (list, tuple)):
             getattr(target, key).extend(value)
         else:
             setattr(target, key, value)
