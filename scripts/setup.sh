@@ -10,7 +10,9 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip
 # Pin the CPU build that ships on local disk; GPU users install their own CUDA/ROCm torch first.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${TANDEM_TORCH_VERSION:-2.13.0}"
-python -m pip install -q -e ./protos -e ./common -e ./frontend -e ./kernels -e ./engine_service \
+# Each distribution's folder holds its `tandem/` package directly (no src/ level), which is what
+# setuptools' "Editable installation ... folders with the same name" notice is about: silenced.
+PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q -e ./protos -e ./common -e ./frontend -e ./kernels -e ./engine_service \
   -e ./tools -e ".[dev]"
 # NIXL (--kv-transport nixl): its wheel bundles UCX and runs on CPU too, so the NIXL end-to-end
 # test (tests/unit/test_kv_connector.py) runs here instead of being skipped.
