@@ -161,9 +161,11 @@ def get_free_port():
     return free_port
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def launch_serve(smollm2_dir):
-    """Factory for extra `tandem serve` processes with their own flags; all stopped at the end."""
+    """Factory for extra `tandem serve` processes with their own flags; stopped when the test
+    module ends (each serve holds a model and a KV pool: kept for the whole session, they add up
+    past what the 2-core, 24 GiB CI machine holds)."""
     started: list[ServerProcess] = []
 
     def launch(extra: list[str], **kwargs) -> tuple[ServerProcess, str, str]:
