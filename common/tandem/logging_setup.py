@@ -8,6 +8,17 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """`sys.stderr` as it is at each write, not at configuration (a redirected or replaced stderr,
+    such as a test runner's capture, must not leave loggers holding a closed stream)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", json: bool = True) -> None:
     """Configures structlog and the standard library's root logger once per process."""
     lvl = getattr(logging, level.upper(), logging.INFO)
@@ -24,6 +35,6 @@ def configure_logging(level: str = "info", json: bool = True) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         # One write per record (message and newline together): the processes of `tandem serve`
         # share stderr, and print()'s two writes let their records run into one line.
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
