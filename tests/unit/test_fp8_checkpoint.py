@@ -75,12 +75,8 @@ def write_fp8(source: Path, target: Path, block: tuple[int, int] | None, dequant
             (out / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matrices: one torch thread per test (tests/conftest.py's fixture, not a copy of it).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
