@@ -177,3 +177,20 @@ def test_closed_subscription_frees_finished_but_undelivered_requests():
         await subscription.aclose()
 
     asyncio.run(scenario())
+
+
+def test_abort_after_the_grpc_channel_closed_ends_quietly():
+    """A request cancelled while the frontend stops: its fire-and-forget abort runs after the
+    gRPC channel to the engine was closed. It must end without an exception (before: grpc's
+    UsageError 'Channel is closed.' escaped the task, a traceback in a clean Ctrl-C)."""
+    from tandem.v1 import engine_pb2_grpc
+
+    async def scenario():
+        grpc_channel = grpc.aio.insecure_channel("127.0.0.1:1")
+        channel = MuxChannel(engine_pb2_grpc.EngineStub(grpc_channel), "127.0.0.1:1")
+        call = channel.call(engine_pb2.EngineRequest(request_id="r1", prompt_token_ids=[1]), None, ())
+        call.submitted = True
+        await grpc_channel.close()
+        await call._abort()
+
+    asyncio.run(scenario())

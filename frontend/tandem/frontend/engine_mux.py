@@ -185,3 +185,7 @@ class MuxCall:
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it had already ended
                 log.warning("engine_abort_failed", request_id=self.request.request_id, code=exc.code().name)
+        except grpc.aio.UsageError:
+            # The gRPC channel was closed under the call: the frontend is stopping, and the
+            # engine ends the request itself when the subscription goes away.
+            log.info("engine_abort_skipped_channel_closed", request_id=self.request.request_id)
