@@ -11,4 +11,9 @@ export TANDEM_CACHE_DIR="${TANDEM_CACHE_DIR:-$PWD/.cache/models}"
 .venv/bin/lint-imports --no-cache
 # deploy/: the Helm chart rendered and validated, manifests, Envoy config, Dockerfile lint (a few seconds).
 bash scripts/check_deploy.sh
-exec .venv/bin/pytest -q "$@"
+# Two workers, one test file each at a time (a file's module-scoped servers stay in one worker),
+# files in collection order (tests/conftest.py starts the longest first): most integration time
+# is spent waiting on servers, so two files overlap well even on two cores. One OpenMP thread per
+# process: two workers' processes on two cores each spinning two threads wait on each other.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec .venv/bin/pytest -q -n "${TANDEM_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["TANDEM_DUMMY_MODELS_PATH"] = os.pathsep.join(
     p for p in (os.path.join(os.path.dirname(os.path.abspath(__file__)), "dummy_models"),
                 os.environ.get("TANDEM_DUMMY_MODELS_PATH")) if p)
+import random
 import signal
 import socket
 import subprocess
@@ -25,6 +26,100 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The files that take a minute or more on the 2-core CI machine, longest first. scripts/test.sh
+# runs files on two xdist workers in collection order; starting these first keeps one long file
+# from running alone at the end while the other worker idles.
+LONG_FILES = ("test_disaggregated_soak.py", "test_first_run.py", "test_soak.py", "test_preemption.py",
+              "test_faults.py", "test_engine_core.py", "test_slim_frontend.py", "test_disaggregated.py",
+              "test_bench_smoke.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: file order kept
+
+
+# Children a test process may keep for its whole life: multiprocessing's helpers, started on the
+# first use of a spawn context and ended by the interpreter's exit.
+_LONG_LIVED_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _live_descendants(pid: int) -> list[int]:
+    """Every process below `pid` that has not exited (zombies, exited but not yet reaped, are
+    not counted), multiprocessing's helpers excepted."""
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            for child in children:
+                stack.append(child)
+                try:
+                    state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    continue
+                if state != "Z" and not any(h in _cmdline(child) for h in _LONG_LIVED_HELPERS):
+                    out.append(child)
+    return out
+
+
+def _own_listening_ports() -> list[int]:
+    """TCP ports this process itself still listens on (an in-process server never stopped)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """At the end of the run (this fixture is set up first, so it is torn down last): no server
+    process a test started is still alive, and no in-process server still listens. What is left
+    is killed, and the run fails naming it."""
+    yield
+    deadline = time.monotonic() + 10.0  # processes stopped a moment ago may still be exiting
+    while (left := _live_descendants(os.getpid())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    described = [f"{pid}: {_cmdline(pid)[:200]}" for pid in left]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    listening = _own_listening_ports()
+    assert not left and not listening, (
+        f"left behind by the tests: processes {described}, listening ports of this process {listening}")
 
 
 @pytest.fixture
@@ -39,7 +134,42 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def _port_stretch() -> range:
+    """This test process's ports for the servers it starts: below the kernel's ephemeral range
+    (outgoing connections take their source ports there, so one could take a port the kernel had
+    just handed out, between the check and the server's bind: a full run saw an engine child fail with
+    "already in use"), a separate stretch for each xdist worker."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) % 8 if worker.isdigit() else 0
+    size = max(0, (ephemeral_low - 10000) // 8)
+    return range(10000 + index * size, 10000 + (index + 1) * size)
+
+
+_PORTS = _port_stretch()
+# Ports are handed out 16 apart: a server counts up from some of its ports (`--frontend-workers`'
+# metrics ports, `--disaggregated`'s decode engine at --engine-port + 1), which must not be the
+# next port handed out. From a random start: a later session need not meet this one's ports.
+_PORT_STEP = 16
+_next_port = random.randrange(max(1, len(_PORTS) // _PORT_STEP)) * _PORT_STEP
+
+
 def free_port() -> int:
+    """A port nothing listens on now, from this process's stretch (`_port_stretch`); the kernel's
+    choice where the ephemeral range leaves no room below it."""
+    global _next_port
+    for _ in range(len(_PORTS) // _PORT_STEP):
+        port = _PORTS[_next_port % len(_PORTS)]
+        _next_port += _PORT_STEP
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -79,20 +209,64 @@ class ServerProcess:
         # stderr: a file for the process's log lines (the engine child of `serve` shares it);
         # opened for append so that two processes writing lines never overwrite each other.
         self._stderr = open(stderr, "ab") if stderr is not None else None
+        # A process group of its own (its id is the pid): `stop` ends whatever the server
+        # started, also when the server itself died first.
         self.proc = subprocess.Popen([sys.executable, "-P", "-m", "tandem.cli", *args], env=full_env, cwd="/",
-                                     stderr=self._stderr)
+                                     stderr=self._stderr, start_new_session=True)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """`sig` to the server (it stops its children itself), then SIGKILL to its whole process
+        group: to the server if it did not exit within `timeout`, and to anything left behind."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone: nothing was left
+        self.proc.wait()
         if self._stderr is not None:
             self._stderr.close()
         return self.proc.returncode
+
+
+def child_pid(pid: int, needle: str) -> int:
+    """The one child process of `pid` whose command line contains `needle`."""
+    def cmdline(p: int) -> str:
+        return Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    matches = [c for c in children if needle in cmdline(c)]
+    assert len(matches) == 1, (needle, [(c, cmdline(c)) for c in children])
+    return matches[0]
+
+
+def wait_not_serving(address: str, service: str, timeout: float = 30.0) -> bool:
+    """Polls grpc.health.v1 until `service` is not SERVING (or the server is gone); False when it
+    still serves after `timeout` seconds."""
+    channel = grpc.insecure_channel(address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                if r.status != health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                return True  # already shut down: not serving either
+            time.sleep(0.02)
+        return False
+    finally:
+        channel.close()
 
 
 def start_serve(extra: list[str] | None = None, timeout: float = 300.0, env: dict | None = None,
@@ -188,6 +362,49 @@ def run_batch(runner, batch, previous_tokens=None):
     return runner.forward(prepare_host_inputs(batch, runner.block_size), previous_tokens)
 
 
+def drive_greedy(engine, prompts: list[list[int]], steps: int, on_step=None) -> list[list[int]]:
+    """Run `prompts` through an in-process `LLMEngine` as requests `r0, r1, ...` (greedy, `steps`
+    tokens each, EOS ignored) until it has no work; each request's tokens in prompt order.
+    `on_step(engine)` runs after every step."""
+    from tandem.engine_service.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for _ in range(5000):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        if on_step is not None:
+            on_step(engine)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def model_rows(model, caches, work, block_size: int) -> list:
+    """One forward of a bare model (no runner) over `work`, `(Sequence, n new tokens)` pairs whose
+    block tables already cover the new tokens: each sequence's float logits for its `n` rows.
+    Advances each sequence's `num_computed_tokens` by `n`."""
+    import torch
+
+    from tandem.engine_service.worker.input_batch import build_model_inputs
+
+    class Item:
+        def __init__(self, seq, n: int) -> None:
+            self.seq, self.num_new_tokens, self.sample = seq, n, True
+
+    inputs = build_model_inputs([Item(s, n) for s, n in work], block_size, torch.device("cpu"))
+    md = inputs.metadata
+    logits = model.compute_logits(model(inputs.input_ids, md.positions, caches, md)).float()
+    out = []
+    for i, (seq, n) in enumerate(work):
+        start = int(md.query_start_loc[i])
+        out.append(logits[start : start + n])
+        seq.num_computed_tokens += n
+    return out
+
+
 @pytest.fixture(scope="session")
 def execute():
     """`run_batch`: a `ModelRunner`'s logits for a hand-built batch."""
@@ -199,7 +416,8 @@ def server_tools():
     """The process helpers above, for tests that assemble their own topology."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(ServerProcess=ServerProcess, free_port=free_port, wait_serving=wait_serving)
+    return SimpleNamespace(ServerProcess=ServerProcess, free_port=free_port, wait_serving=wait_serving,
+                           child_pid=child_pid, wait_not_serving=wait_not_serving)
 
 
 # Model types whose RMSNorm scales are zero-centred (the weight is w in x * (1 + w)).

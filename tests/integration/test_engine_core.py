@@ -13,33 +13,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client import TandemClient, build_request
 from tandem.proto_wire import to_struct
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2
 
 ENGINE_SERVICE = "tandem.v1.Engine"
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-
-def _find(pid: int, needle: str) -> int:
-    matches = [c for c in _children(pid) if needle in _cmdline(c)]
-    assert len(matches) == 1, (needle, [(c, _cmdline(c)) for c in _children(pid)])
-    return matches[0]
 
 
 def _stats(stub) -> dict:
@@ -55,10 +34,10 @@ def _request(rid: str, max_tokens: int, **sampling) -> engine_pb2.EngineRequest:
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling))
 
 
-def test_kill_core_fails_every_request_and_exits_nonzero(launch_serve):
+def test_kill_core_fails_every_request_and_exits_nonzero(launch_serve, server_tools):
     server, frontend, engine_addr = launch_serve([])
-    engine_pid = _find(server.proc.pid, " engine ")
-    core_pid = _find(engine_pid, "tandem.engine_service.core.core_process")
+    engine_pid = server_tools.child_pid(server.proc.pid, " engine ")
+    core_pid = server_tools.child_pid(engine_pid, "tandem.engine_service.core.core_process")
     # The model lives in the core: the engine's gRPC process never loaded torch.
     assert "libtorch" not in Path(f"/proc/{engine_pid}/maps").read_text()
     assert "libtorch" in Path(f"/proc/{core_pid}/maps").read_text()
@@ -94,20 +73,10 @@ def test_kill_core_fails_every_request_and_exits_nonzero(launch_serve):
         t.start()
     started.wait(120)  # every stream has its first tokens: all four are in flight
     os.kill(core_pid, signal.SIGKILL)
-    health = health_pb2_grpc.HealthStub(channel)
-    seen_not_serving = False
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not seen_not_serving:
-        try:
-            r = health.Check(health_pb2.HealthCheckRequest(service=ENGINE_SERVICE), timeout=1)
-            seen_not_serving = r.status != health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            seen_not_serving = True  # already shut down: not serving either
-        time.sleep(0.02)
+    assert server_tools.wait_not_serving(engine_addr, ENGINE_SERVICE)
     for t in threads:
         t.join(60)
     channel.close()
-    assert seen_not_serving
     assert len(outcomes) == 4, outcomes
     for name, outcome in outcomes.items():
         assert outcome != "finished", name

@@ -35,6 +35,7 @@ from tandem.engine_service.layers.fp8 import PER_CHANNEL  # noqa: E402
 from tandem.engine_service.sequence import SamplingParams  # noqa: E402
 from tandem.engine_service.worker.loader import build_model, resolve_model  # noqa: E402
 from tandem.kernels.fp8_gemm import FP8_DTYPE, dequantize, quantize  # noqa: E402
+from tests.hf_reference import assert_logprobs_match, hf_reference  # noqa: E402
 
 STEPS = 32
 TOP_LOGPROBS = 5
@@ -96,23 +97,6 @@ def prompt(n: int, seed: int, vocab: int = 320) -> list[int]:
 
 
 PROMPTS = [prompt(n, seed=70 + i) for i, n in enumerate((19, 12, 27))]
-_HF: dict[tuple[int, tuple[int, ...]], tuple[list[int], torch.Tensor]] = {}
-
-
-def hf_reference(hf: torch.nn.Module, tokens: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Greedy continuation by full-sequence forwards and each step's log-softmax row; memoised."""
-    key = (id(hf), tuple(tokens))
-    if key not in _HF:
-        ids, rows = list(tokens), []
-        with torch.no_grad():
-            for _ in range(STEPS):
-                logits = hf(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
-                rows.append(torch.log_softmax(logits, dim=-1))
-                ids.append(int(logits.argmax()))
-        _HF[key] = (ids[len(tokens):], torch.stack(rows))
-    return _HF[key]
-
-
 def run_engine(path: Path, prompts: list[list[int]], steps: int = STEPS, **model_kwargs) -> tuple[list, list]:
     engine = LLMEngine(EngineConfig(
         ModelConfig(model=str(path), max_model_len=256, **({"attention_backend": "torch"} | model_kwargs)),
@@ -133,14 +117,7 @@ def run_engine(path: Path, prompts: list[list[int]], steps: int = STEPS, **model
 
 
 def assert_matches(hf, prompt_tokens, tokens, logprobs, atol: float = LOGPROB_ATOL, steps: int = STEPS) -> None:
-    ref_tokens, ref_rows = hf_reference(hf, prompt_tokens)
-    assert tokens == ref_tokens[:steps]
-    assert len(logprobs) == steps
-    for step, (lp, row) in enumerate(zip(logprobs, ref_rows)):
-        assert lp.token_id == tokens[step]
-        assert abs(lp.logprob - float(row[lp.token_id])) <= atol, f"step {step}"
-        for token_id, value in lp.top:
-            assert abs(value - float(row[token_id])) <= atol, f"step {step} token {token_id}"
+    assert_logprobs_match(hf_reference(hf, prompt_tokens, STEPS), tokens, logprobs, steps, atol)
 
 
 def test_fp8_layers_stay_fp8_in_memory(checkpoint) -> None:

@@ -9,7 +9,6 @@ numbered failure of issue #10 it covers.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import grpc
@@ -29,16 +28,11 @@ from tandem.health import add_health
 from tandem.proto_wire import Limits, to_struct
 from tandem.security import SecurityOptions
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc
+from tests.conftest import free_port
 
 C = common_pb2
 VOCAB = 49152
 MAX_LEN = 8192
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeEngine(engine_pb2_grpc.EngineServicer):
@@ -577,7 +571,7 @@ def test_ready_with_one_replica_and_the_other_joins_later(smollm2_dir):
     one joins the rotation once it answers (before: waited for every replica, then timed out)."""
 
     async def scenario():
-        late_port = _free_port()
+        late_port = free_port()
         live = FakeEngine(str(smollm2_dir))
         live_server, live_addr = await start_engine(live)
         pool = EnginePool([f"127.0.0.1:{late_port}", live_addr])

@@ -23,9 +23,10 @@ import torch
 
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tandem.engine_service.core.engine import LLMEngine
-from tandem.engine_service.worker.input_batch import build_model_inputs
 from tandem.engine_service.worker.loader import build_model, resolve_model
 from tandem.engine_service.sequence import SamplingParams, Sequence
+from tests.hf_reference import hf_reference
+from tests.conftest import drive_greedy, model_rows
 
 STEPS = 32
 BLOCK_SIZE = 4
@@ -57,23 +58,6 @@ def checkpoint(request, tmp_path_factory, hf_checkpoint) -> tuple[str, torch.nn.
     return request.param, hf, path
 
 
-_HF: dict[tuple[int, tuple[int, ...]], tuple[list[int], torch.Tensor]] = {}
-
-
-def hf_greedy(hf: torch.nn.Module, tokens: list[int], steps: int = STEPS) -> tuple[list[int], torch.Tensor]:
-    """Greedy continuation by full-sequence forwards (no transformers cache), and the logits of
-    every position of prompt + continuation (one last full forward). Memoised."""
-    key = (id(hf), tuple(tokens))
-    if key not in _HF:
-        ids = list(tokens)
-        with torch.no_grad():
-            for _ in range(steps):
-                ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-            logits = hf(torch.tensor([ids]), use_cache=False).logits[0].float()
-        _HF[key] = (ids[len(tokens):], logits)
-    return _HF[key]
-
-
 class HybridHarness:
     """Our model over paged K/V and state pools, with hand-made block tables and state slots."""
 
@@ -101,23 +85,10 @@ class HybridHarness:
     @torch.inference_mode()
     def step(self, work: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
         """Run `n` new tokens of each sequence; each one's logits for all its new rows."""
-
-        class Item:
-            def __init__(self, seq: Sequence, n: int) -> None:
-                self.seq, self.num_new_tokens, self.sample = seq, n, True
-
         for seq, n in work:
             while len(seq.block_table) * BLOCK_SIZE < seq.num_computed_tokens + n:
                 seq.block_table.append(self.free_blocks.pop())
-        inputs = build_model_inputs([Item(s, n) for s, n in work], BLOCK_SIZE, torch.device("cpu"))
-        md = inputs.metadata
-        logits = self.model.compute_logits(self.model(inputs.input_ids, md.positions, self.caches, md)).float()
-        out = []
-        for i, (seq, n) in enumerate(work):
-            start = int(md.query_start_loc[i])
-            out.append(logits[start : start + n])
-            seq.num_computed_tokens += n
-        return out
+        return model_rows(self.model, self.caches, work, BLOCK_SIZE)
 
 
 def check_steps(ours: torch.Tensor, ref: torch.Tensor, tokens: list[int], num_prompt: int) -> None:
@@ -130,7 +101,8 @@ def check_steps(ours: torch.Tensor, ref: torch.Tensor, tokens: list[int], num_pr
 def test_chunked_prefill_then_decode_matches_transformers(checkpoint) -> None:
     _, hf, path = checkpoint
     tokens = PROMPTS[0]
-    continuation, ref = hf_greedy(hf, tokens)
+    reference = hf_reference(hf, tokens, STEPS)
+    continuation, ref = reference.continuation, reference.logits
     full = tokens + continuation
     harness = HybridHarness(path)
     seq = harness.new_seq(full)
@@ -142,8 +114,8 @@ def test_chunked_prefill_then_decode_matches_transformers(checkpoint) -> None:
 def test_concurrent_batch_matches_transformers(checkpoint) -> None:
     _, hf, path = checkpoint
     harness = HybridHarness(path)
-    refs = [hf_greedy(hf, p) for p in PROMPTS[:3]]
-    fulls = [p + cont for p, (cont, _) in zip(PROMPTS[:3], refs)]
+    refs = [hf_reference(hf, p, STEPS) for p in PROMPTS[:3]]
+    fulls = [p + r.continuation for p, r in zip(PROMPTS[:3], refs)]
     a, b, c = (harness.new_seq(f, rid) for f, rid in zip(fulls, "abc"))
     rows: dict[str, list[torch.Tensor]] = {"a": [], "b": [], "c": []}
     # a and b prefill together; then a decodes while b finishes its prompt and c starts (decode
@@ -155,8 +127,8 @@ def test_concurrent_batch_matches_transformers(checkpoint) -> None:
     for _ in range(STEPS):
         for name, out in zip("abc", harness.step([(a, 1), (b, 1), (c, 1)])):
             rows[name].append(out)
-    for name, p, full, (_, ref) in zip("abc", PROMPTS[:3], fulls, refs):
-        check_steps(torch.cat(rows[name]), ref, full, len(p))
+    for name, p, full, ref in zip("abc", PROMPTS[:3], fulls, refs):
+        check_steps(torch.cat(rows[name]), ref.logits, full, len(p))
 
 
 def test_fresh_request_ignores_its_slots_previous_state(checkpoint) -> None:
@@ -168,7 +140,7 @@ def test_fresh_request_ignores_its_slots_previous_state(checkpoint) -> None:
     second = Sequence("second", PROMPTS[3], SamplingParams())
     second.state_slot = first.state_slot  # the slot is reused without being cleared
     (ours,) = harness.step([(second, len(PROMPTS[3]))])
-    _, ref = hf_greedy(hf, PROMPTS[3])
+    ref = hf_reference(hf, PROMPTS[3], STEPS).logits
     torch.testing.assert_close(ours, ref[: len(PROMPTS[3])], atol=ATOL, rtol=0)
 
 
@@ -185,19 +157,11 @@ def make_engine(path: Path, num_blocks: int = 128, budget: int = 256, max_num_se
 
 
 def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    for _ in range(5000):
-        if not engine.has_work():
-            break
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
+    out = drive_greedy(engine, prompts, STEPS)
     bm = engine.block_manager
     assert bm.num_used_blocks == 0 and all(p.num_free == p.num_blocks for p in bm.pools), "blocks leaked"
     assert bm.state_slots is not None and bm.state_slots.num_used == 0, "state slots leaked"
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    return out
 
 
 def test_engine_single_request_matches_transformers(checkpoint) -> None:
@@ -206,7 +170,7 @@ def test_engine_single_request_matches_transformers(checkpoint) -> None:
     # Prefix caching stays on: hits need a state checkpoint (tests/unit/test_hybrid_prefix_cache.py).
     assert engine.block_manager.enable_prefix_caching and engine.block_manager.checkpoints is not None
     (ours,) = run(engine, [PROMPTS[0]])
-    assert ours == hf_greedy(hf, PROMPTS[0])[0]
+    assert ours == hf_reference(hf, PROMPTS[0], STEPS).continuation
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
@@ -214,7 +178,7 @@ def test_engine_batched_chunked_prefill_matches_transformers(checkpoint, overlap
     _, hf, path = checkpoint
     prompts = PROMPTS[:3]
     ours = run(make_engine(path, budget=5, overlap=overlap), prompts)  # every prompt in >= 2 chunks
-    assert ours == [hf_greedy(hf, p)[0] for p in prompts]
+    assert ours == [hf_reference(hf, p, STEPS).continuation for p in prompts]
 
 
 def test_engine_preempted_requests_rebuild_state(checkpoint) -> None:
@@ -224,7 +188,7 @@ def test_engine_preempted_requests_rebuild_state(checkpoint) -> None:
     engine = make_engine(path, num_blocks=24, budget=8)
     ours = run(engine, prompts)
     assert engine.scheduler.num_preemptions > 0
-    assert ours == [hf_greedy(hf, p)[0] for p in prompts]
+    assert ours == [hf_reference(hf, p, STEPS).continuation for p in prompts]
 
 
 def test_engine_abort_returns_the_slot_and_its_next_owner_starts_clean(checkpoint) -> None:
@@ -241,7 +205,7 @@ def test_engine_abort_returns_the_slot_and_its_next_owner_starts_clean(checkpoin
     engine.abort("doomed")
     assert slots.num_used == 0 and engine.block_manager.num_used_blocks == 0
     (ours,) = run(engine, [PROMPTS[3]])
-    assert ours == hf_greedy(hf, PROMPTS[3])[0]
+    assert ours == hf_reference(hf, PROMPTS[3], STEPS).continuation
 
 
 # -- released-checkpoint layout and the CUDA-graph buffers ---------------------------------------
@@ -338,7 +302,7 @@ def test_decode_through_graph_buffers_with_state_slots(checkpoint) -> None:
             break
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
-    assert [out[r] for r in ("r0", "r1", "r2")] == [hf_greedy(hf, p)[0] for p in prompts]
+    assert [out[r] for r in ("r0", "r1", "r2")] == [hf_reference(hf, p, STEPS).continuation for p in prompts]
     assert any(len(row) == 4 for row in slots_seen), "three requests decoded in a padded bucket of 4"
     for row in slots_seen:  # real rows first, each on its own slot; padding on the scratch slot
         real = [s for s in row if s != scratch]
@@ -365,4 +329,4 @@ def test_triton_op_set_matches_transformers(tmp_path: Path, hf_checkpoint) -> No
     while engine.has_work():
         for o in engine.step():
             out.extend(o.new_token_ids)
-    assert out == hf_greedy(hf, PROMPTS[1])[0][:steps]
+    assert out == hf_reference(hf, PROMPTS[1], STEPS).continuation[:steps]

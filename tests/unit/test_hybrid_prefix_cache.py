@@ -28,6 +28,7 @@ from tandem.engine_service.cache.memory_plan import plan_cache
 from tandem.engine_service.core.scheduler import Scheduler, SchedulerOutput
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence
 from tandem.engine_service.worker.state_copies import check_copies, copy_state_slots
+from tests.hf_reference import hf_reference
 from tandem.engine_service.cache.state_pool import CheckpointSlots
 from tandem.engine_service.step_plan import StepPlan, decode_plan, encode_plan
 
@@ -562,21 +563,6 @@ def hybrid_checkpoint(request, tmp_path_factory, hf_checkpoint):
     return request.param, hf, path
 
 
-_HF_GREEDY: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-
-
-def hf_greedy(hf, tokens: list[int], steps: int = STEPS) -> list[int]:
-    """transformers' greedy continuation by full-sequence forwards (memoised per model and prompt)."""
-    key = (id(hf), tuple(tokens))
-    if key not in _HF_GREEDY:
-        ids = list(tokens)
-        with torch.no_grad():
-            for _ in range(steps):
-                ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-        _HF_GREEDY[key] = ids[len(tokens):]
-    return _HF_GREEDY[key]
-
-
 def hybrid_engine(path, prefix_caching: bool, budget: int = 64, overlap: str = "off", num_blocks: int = 128):
     from tandem.engine_service.config import EngineConfig, ModelConfig
     from tandem.engine_service.core.engine import LLMEngine
@@ -628,8 +614,8 @@ def test_second_request_hits_the_shared_prefix_and_matches_no_caching(hybrid_che
     plain = hybrid_engine(path, False, overlap=overlap)
     ref_tokens, ref_lps, ref_hit = generate(plain, "b", b_prompt)
     assert ref_hit == 0 and plain.block_manager.checkpoints is None
-    assert b_tokens == ref_tokens == hf_greedy(hf, b_prompt)
-    assert a_tokens == hf_greedy(hf, a_prompt)
+    assert b_tokens == ref_tokens == hf_reference(hf, b_prompt, STEPS).continuation
+    assert a_tokens == hf_reference(hf, a_prompt, STEPS).continuation
     torch.testing.assert_close(torch.tensor(b_lps), torch.tensor(ref_lps), atol=LOGPROB_ATOL, rtol=0)
     for engine in (cached, plain):
         assert all(p.num_free == p.num_blocks for p in engine.block_manager.pools)

@@ -28,6 +28,7 @@ from tandem.engine_service.core.engine import LLMEngine  # noqa: E402
 from tandem.engine_service.layers.moe import SparseMoeBlock  # noqa: E402
 from tandem.engine_service.worker.loader import WeightLoadError, build_model, resolve_model  # noqa: E402
 from tandem.engine_service.sequence import SamplingParams  # noqa: E402
+from tests.hf_reference import assert_logprobs_match, compute_reference, hf_reference  # noqa: E402
 
 STEPS = 32
 BLOCK_SIZE = 4
@@ -71,24 +72,6 @@ def checkpoint(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
     return make_hf_moe(tmp_path_factory.mktemp("moe"))
 
 
-_HF: dict[tuple[int, tuple[int, ...]], tuple[list[int], torch.Tensor]] = {}
-
-
-def hf_reference(hf: torch.nn.Module, tokens: list[int], steps: int = STEPS) -> tuple[list[int], torch.Tensor]:
-    """Greedy continuation by full-sequence forwards (no transformers cache) and each step's
-    log-softmax row `[steps, vocab]`; memoised per model and prompt."""
-    key = (id(hf), tuple(tokens))
-    if key not in _HF:
-        ids, rows = list(tokens), []
-        with torch.no_grad():
-            for _ in range(steps):
-                logits = hf(torch.tensor([ids])).logits[0, -1].float()
-                rows.append(torch.log_softmax(logits, dim=-1))
-                ids.append(int(logits.argmax()))
-        _HF[key] = (ids[len(tokens):], torch.stack(rows))
-    return _HF[key]
-
-
 def make_engine(path: Path, num_blocks: int = 128, budget: int = 256, max_num_seqs: int = 8,
                 backend: str = "torch") -> LLMEngine:
     return LLMEngine(EngineConfig(
@@ -126,15 +109,7 @@ class Run:
 
 def assert_matches_hf(hf: torch.nn.Module, prompt_tokens: list[int], tokens: list[int], logprobs: list,
                       steps: int = STEPS) -> None:
-    ref_tokens, ref_rows = hf_reference(hf, prompt_tokens)
-    assert tokens == ref_tokens[:steps]
-    assert len(logprobs) == steps
-    for step, (lp, row) in enumerate(zip(logprobs, ref_rows)):
-        assert lp is not None and lp.token_id == tokens[step]
-        assert abs(lp.logprob - float(row[lp.token_id])) <= LOGPROB_ATOL, f"step {step}"
-        assert [t for t, _ in lp.top][:1] == [int(row.argmax())]
-        for token_id, value in lp.top:
-            assert abs(value - float(row[token_id])) <= LOGPROB_ATOL, f"step {step} token {token_id}"
+    assert_logprobs_match(hf_reference(hf, prompt_tokens, STEPS), tokens, logprobs, steps, LOGPROB_ATOL)
 
 
 def test_tiny_config_routes_through_several_experts(checkpoint) -> None:
@@ -148,8 +123,7 @@ def test_tiny_config_routes_through_several_experts(checkpoint) -> None:
         "Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP", "Qwen3MoeSparseMoeBlock"]
     seen: set[int] = set()
     hook = hf.model.layers[0].mlp.gate.register_forward_hook(lambda m, i, o: seen.update(o[2].flatten().tolist()))
-    hf_reference(hf, PROMPTS[0])
-    _HF.pop((id(hf), tuple(PROMPTS[0])))
+    compute_reference(hf, PROMPTS[0], STEPS)
     hook.remove()
     assert len(seen) >= 6
     ref = hf(torch.tensor([PROMPTS[0]])).logits
