@@ -82,6 +82,13 @@ for part in "$@"; do
     kvxfer) timeout 240 $PY -m tandem.gpu_checks.kv_transfer --out "$OUT/kvxfer" ;;
     # Issue 12: one engine vs prefill + decode engines (Qwen3-8B, CUDA IPC) under long prompts during decode traffic.
     disagg) timeout 330 $PY -m tandem.cli bench disagg --model dummy:qwen3-8b --num-kv-blocks 8192 --kv-transport cuda_ipc --mixed-seconds ${DISAGG_SECONDS:-75} --max-seconds 310 --out "$OUT" ;;
+    # Issue 26 item 5: steps with prefill rows through piecewise CUDA graphs. Prefill steps of
+    # Qwen3-0.6B timed as served (pieces) and eagerly, then TTFT at concurrency 1 (64 requests of
+    # the nanovllm workload, in-process and served) and 16 (step-time spread of a mixed load).
+    ttft)
+      timeout 100 $PY -m tandem.cli bench profile --model dummy:qwen3-0.6b --max-model-len 8192 --max-num-seqs 8 --decode-shapes none \
+        --prefill-shapes 1x128,1x512,1x1024,4x512 --max-seconds 90 --out "$OUT"
+      timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --concurrency 1,16 --requests-per-level 64 --level-seconds 85 --max-seconds 220 --out "$OUT" ;;
     serve) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --max-seconds 200 --out "$OUT" ;;
     serve-mux) timeout 230 $PY -m tandem.cli bench serve --model dummy:qwen3-0.6b --engine-transport mux --max-seconds 200 --out "$OUT" ;;
     # Four frontend processes on the port and four load-generator processes (see docs/operations.md).

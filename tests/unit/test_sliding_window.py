@@ -21,9 +21,11 @@ import torch  # noqa: E402
 
 from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from tandem.engine_service.worker.cuda_graphs import DecodeCudaGraphs  # noqa: E402
+from tandem.engine_service.worker.piecewise_graphs import PiecewiseCudaGraphs  # noqa: E402
 from tandem.engine_service.core.engine import LLMEngine  # noqa: E402
 from tandem.engine_service.cache.block_manager import NULL_BLOCK  # noqa: E402
-from tandem.engine_service.sequence import SamplingParams  # noqa: E402
+from tests.conftest import drive_greedy  # noqa: E402
+from tests.hf_reference import hf_reference  # noqa: E402
 
 STEPS = 64
 BLOCK_SIZE = 4
@@ -43,26 +45,6 @@ def checkpoint(request, tmp_path_factory, hf_checkpoint) -> tuple[str, torch.nn.
     return request.param, hf, path
 
 
-_HF_GREEDY: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-
-
-def hf_greedy(hf: torch.nn.Module, tokens: list[int], steps: int = STEPS) -> list[int]:
-    """Greedy continuation by full-sequence forwards (no transformers cache involved); memoised
-    per model and prompt, as several tests ask for the same continuation."""
-    key = (id(hf), tuple(tokens))
-    if key not in _HF_GREEDY:
-        _HF_GREEDY[key] = _hf_greedy(hf, tokens, steps)
-    return _HF_GREEDY[key]
-
-
-def _hf_greedy(hf: torch.nn.Module, tokens: list[int], steps: int) -> list[int]:
-    ids = list(tokens)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(tokens):]
-
-
 def make_config(path: Path, num_blocks: int = 128, budget: int = 256, max_num_seqs: int = 8,
                 overlap: str = "off", backend: str = "torch") -> EngineConfig:
     return EngineConfig(
@@ -77,21 +59,11 @@ def make_engine(path: Path, **kwargs) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], on_step=None, steps: int = STEPS) -> list[list[int]]:
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    for _ in range(5000):
-        if not engine.has_work():
-            break
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-        if on_step is not None:
-            on_step(engine)
+    out = drive_greedy(engine, prompts, steps, on_step)
     assert engine.block_manager.num_used_blocks == 0 and all(
         p.num_free == p.num_blocks for p in engine.block_manager.pools
     ), "blocks leaked"
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    return out
 
 
 def windowed_groups(engine: LLMEngine) -> list[int]:
@@ -103,7 +75,7 @@ def test_single_sequence_matches_transformers(checkpoint) -> None:
     tokens = PROMPTS[0]
     assert min(map(len, PROMPTS)) > WINDOW
     (ours,) = run(make_engine(path), [tokens])
-    assert ours == hf_greedy(hf, tokens)
+    assert ours == hf_reference(hf, tokens, STEPS).continuation
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
@@ -112,7 +84,7 @@ def test_batched_chunked_prefill_matches_transformers(checkpoint, overlap: str) 
     prompts = PROMPTS[:3]
     # A 5-token budget: every prompt is prefilled in chunks, decodes share steps with prefills.
     ours = run(make_engine(path, budget=5, overlap=overlap), prompts)
-    assert ours == [hf_greedy(hf, p) for p in prompts]
+    assert ours == [hf_reference(hf, p, STEPS).continuation for p in prompts]
 
 
 def test_preempted_sequences_match_transformers(checkpoint) -> None:
@@ -123,7 +95,7 @@ def test_preempted_sequences_match_transformers(checkpoint) -> None:
     engine = make_engine(path, num_blocks=8 if name == "tiny-mistral" else 30, budget=8)
     ours = run(engine, prompts)
     assert engine.scheduler.num_preemptions > 0
-    assert ours == [hf_greedy(hf, p) for p in prompts]
+    assert ours == [hf_reference(hf, p, STEPS).continuation for p in prompts]
 
 
 def test_windowed_blocks_are_freed_while_requests_run(checkpoint) -> None:
@@ -142,7 +114,7 @@ def test_windowed_blocks_are_freed_while_requests_run(checkpoint) -> None:
 
     prompts = [PROMPTS[2], PROMPTS[4]]
     ours = run(engine, prompts, on_step=record)
-    assert ours == [hf_greedy(hf, p) for p in prompts]
+    assert ours == [hf_reference(hf, p, STEPS).continuation for p in prompts]
     assert live and max(widths) >= (26 + STEPS - 1) // BLOCK_SIZE
     window_blocks = -(-(WINDOW - 1) // BLOCK_SIZE) + 2  # the window, the block it starts in, the next one
     for g in windowed:
@@ -166,14 +138,15 @@ def test_prefix_hits_on_freed_window_blocks_stay_correct(checkpoint) -> None:
     second_prompt = shared + first[:10] + prompt(3, seed=81)
     (second,) = run(engine, [second_prompt])
     assert engine.block_manager.prefix_hits - hits_before >= 32
-    assert first == hf_greedy(hf, shared)
-    assert second == hf_greedy(hf, second_prompt)
+    assert first == hf_reference(hf, shared, STEPS).continuation
+    assert second == hf_reference(hf, second_prompt, STEPS).continuation
 
 
 def test_triton_kernels_and_graph_buffers_match_transformers(checkpoint) -> None:
-    """The Triton backend (kernels interpreted on CPU) with the window as a kernel argument, and
-    decode through the CUDA-graph runner's fixed, padded buffers (run eagerly here; one block
-    table per paged group): the same greedy tokens as transformers."""
+    """The Triton backend (kernels interpreted on CPU) with the window as a kernel argument,
+    decode through the CUDA-graph runner's fixed, padded buffers and prefill chunks through the
+    piecewise runner's (both run eagerly here; one block table and slot mapping per paged group):
+    the same greedy tokens as transformers."""
     name, hf, path = checkpoint
     steps = 12  # the interpreter is slow; the prompts are still twice the window
     prompts = [PROMPTS[3], PROMPTS[1]]
@@ -195,6 +168,19 @@ def test_triton_kernels_and_graph_buffers_match_transformers(checkpoint) -> None
     runner.cuda_graphs = graphs
     original = graphs.run
     graphs.run = lambda host, *a: graph_calls.append(host.num_seqs) or original(host, *a)
+    pieces = PiecewiseCudaGraphs(
+        runner.model, runner.layer_caches, max_tokens=8, block_size=BLOCK_SIZE,
+        max_blocks_per_seq=runner.max_model_len // BLOCK_SIZE, scratch_block=runner.scratch_block,
+        device=torch.device("cpu"), capture_graphs=False, extra_scratch_blocks=[g.num_blocks for g in groups[1:]],
+        whole_batches=(1,),  # one-sequence steps replay whole graphs, two-sequence ones the pieces
+    )
+    pieces.capture()
+    runner.piecewise_graphs = pieces
+    piece_calls = []
+    original_pieces = pieces.run
+    pieces.run = lambda host, *a: piece_calls.append(host.num_seqs) or original_pieces(host, *a)
     ours = run(engine, prompts, steps=steps)
-    assert ours == [hf_greedy(hf, p)[:steps] for p in prompts]
+    assert ours == [hf_reference(hf, p, STEPS).continuation[:steps] for p in prompts]
     assert graph_calls, "decode steps went through the graph buffers"
+    assert len(piece_calls) >= 4, "prefill chunks went through the piecewise buffers"
+    assert pieces._whole, "one-sequence buckets were prepared"

@@ -31,6 +31,7 @@ from tandem.engine_service.worker.cuda_graphs import (  # noqa: E402
     splits_per_bucket,
 )
 from tandem.engine_service.dummy_configs import get_dummy_config  # noqa: E402
+from tandem.engine_service.worker.piecewise_graphs import PiecewiseCudaGraphs, token_buckets  # noqa: E402
 from tandem.engine_service.worker.input_batch import (  # noqa: E402
     PinnedStaging,
     build_model_inputs,
@@ -348,6 +349,8 @@ def test_pinned_staging_packs_like_plain_copies() -> None:
     for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices"):
         got, want = getattr(first.metadata, name), getattr(plain.metadata, name)
         assert got.dtype == want.dtype and torch.equal(got, want), name  # survived the refill
+        # Every view starts 16-byte aligned, whatever the batch size (one Triton variant).
+        assert got.data_ptr() % 16 == 0, name
     assert torch.equal(first.input_ids, plain.input_ids)
 
 
@@ -393,4 +396,76 @@ def test_padded_decode_buffers_match_eager_execution(execute) -> None:
         assert (layer_padded[:, untouched] == 0).all()
         assert layer_padded[:, padded.scratch_block].abs().sum() > 0  # the dummy rows wrote here
     too_big = prepare_host_inputs(alloc.cover([Scheduled(seqs[1], 1, True)] * 5), BLOCK_SIZE)
+    assert not graphs.can_run(too_big)
+
+
+# -------------------------------------------------------------------------- piecewise graphs
+
+def test_token_buckets_grow_by_doubling_then_linearly() -> None:
+    assert token_buckets(8) == [8]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(1024) == [16, 32, 64, 128, 256, 512, 768, 1024]
+    assert token_buckets(1000)[-2:] == [768, 1000]
+    with pytest.raises(ValueError):
+        token_buckets(0)
+
+
+# One model keeps the interpreter's bill small: the MoE one covers the dense layers' code too, and
+# a sequence bucket of 2 sends its one- and two-sequence steps whole and its three-sequence steps
+# through the pieces.
+@pytest.mark.parametrize(("model", "whole_batches"), [("dummy:tiny-qwen3-moe", (2,))])
+def test_piecewise_buffers_match_eager_execution(model: str, whole_batches: tuple[int, ...], execute) -> None:
+    """Steps with prefill rows through the piecewise runner's fixed, padded buffers (run eagerly
+    here: the attention calls between pieces as a replay makes them, or the whole forward on the
+    fixed length buffers for steps of few sequences) give eager execution's logits and KV cache;
+    dummy rows write only the scratch block, also after a longer step in the same bucket left
+    real slots in the buffers' tail, and padded sequences change nothing."""
+    eager = ModelRunner(engine_config(model, "triton"))
+    padded = ModelRunner(engine_config(model, "triton"))
+    graphs = PiecewiseCudaGraphs(padded.model, padded.layer_caches, max_tokens=24, block_size=BLOCK_SIZE,
+                                 max_blocks_per_seq=padded.max_model_len // BLOCK_SIZE,
+                                 scratch_block=padded.scratch_block, device=torch.device("cpu"),
+                                 capture_graphs=False, whole_batches=whole_batches)
+    graphs.capture()
+    assert graphs.captured_sizes == [16, 24]
+    whole_runs = []
+    run_whole = graphs._run_whole
+    graphs._run_whole = lambda *args: whole_runs.append(args[2].num_seqs) or run_whole(*args)
+    assert len(graphs._buckets[16].calls) == eager.model.config.num_hidden_layers
+    staging = PinnedStaging(torch.device("cpu"))
+    alloc = Allocator()
+    a = Sequence("a", tokens(14, seed=5), SamplingParams())
+    b = Sequence("b", tokens(9, seed=6), SamplingParams())
+    c = Sequence("c", tokens(11, seed=7), SamplingParams())
+    steps = [
+        [Scheduled(a, 14, True)],                                          # 14 of bucket 16
+        [Scheduled(a, 1, True), Scheduled(b, 9, True)],                    # mixed, 10 of 16
+        [Scheduled(b, 1, True), Scheduled(c, 6, False), Scheduled(a, 1, True)],  # 8 of 16, tail reset
+        [Scheduled(c, 5, True), Scheduled(a, 1, True), Scheduled(b, 1, True)],
+        [Scheduled(c, 1, True), Scheduled(a, 1, True)],                    # pure decode: not ours
+    ]
+    ran = 0
+    for work in steps:
+        alloc.cover(work)
+        host = prepare_host_inputs(work, BLOCK_SIZE)
+        expected = execute(eager, work)
+        if graphs.can_run(host):
+            got = graphs.run(host, staging)
+            ran += 1
+        else:
+            assert host.is_pure_decode
+            got = execute(padded, work)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        advance(work, expected)
+    assert ran == 4
+    # The steps bring 1, 2, 3 and 3 sequences: whole graphs take those within the largest bucket.
+    assert whole_runs == [n for n in (1, 2, 3, 3) if whole_batches and n <= max(whole_batches)]
+    blocks = used_blocks([a, b, c])
+    for layer_eager, layer_padded in zip(eager.kv_caches, padded.kv_caches):
+        torch.testing.assert_close(layer_padded[:, blocks], layer_eager[:, blocks], atol=1e-5, rtol=0)
+        untouched = [i for i in range(NUM_BLOCKS) if i not in blocks]
+        assert (layer_padded[:, untouched] == 0).all()
+        assert layer_padded[:, padded.scratch_block].abs().sum() > 0  # the dummy rows wrote here
+    too_big = prepare_host_inputs(alloc.cover([Scheduled(Sequence("d", tokens(30, seed=8), SamplingParams()), 30, True)]),
+                                  BLOCK_SIZE)
     assert not graphs.can_run(too_big)

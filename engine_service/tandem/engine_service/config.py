@@ -137,7 +137,10 @@ class ModelConfig:
     cache_dir: str | None = _opt(None, "where converted GGUF models are kept (default: ~/.cache/tandem/models)")
     attention_backend: str = _opt("auto", "auto: Triton kernels on CUDA, PyTorch reference on CPU",
                                   choices=("auto", "torch", "triton"))
-    enforce_eager: bool = _opt(False, "never capture CUDA graphs for decode")
+    enforce_eager: bool = _opt(False, "never capture CUDA graphs (decode, and steps with prefill rows)")
+    prefill_graph_tokens: int = _opt(2048, "CUDA: steps with prefill rows of up to this many tokens (capped at "
+                                     "max_num_batched_tokens) replay CUDA graphs captured in pieces between the "
+                                     "attention calls, one set per token-count bucket (0: such steps run eagerly)")
     quantization: str = _opt("auto", "weights in FP8: auto (as the checkpoint stores them), fp8 (also "
                              "quantize a bf16/fp32 checkpoint to 128x128-block FP8 on load), none (dequantize an FP8 "
                              "checkpoint on load)", choices=("auto", "none", "fp8"))
@@ -161,6 +164,8 @@ class ModelConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if not self.warmup_seconds >= 0:
             raise ValueError(f"warmup_seconds must be >= 0, got {self.warmup_seconds!r}")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens!r}")
 
 
 KV_ROLES = ("none", "producer", "consumer", "both")

@@ -256,14 +256,15 @@ def _profile(fn: Callable[[], None]) -> list[dict[str, Any]]:
 
 
 def _eager(runner: Any) -> contextlib.AbstractContextManager[None]:
-    """Runs the runner's steps eagerly meanwhile (its decode graphs set aside)."""
+    """Runs the runner's steps eagerly meanwhile (its decode and piecewise graphs set aside)."""
     @contextlib.contextmanager
     def cm() -> Iterator[None]:
         graphs, runner.cuda_graphs = runner.cuda_graphs, None
+        pieces, runner.piecewise_graphs = runner.piecewise_graphs, None
         try:
             yield
         finally:
-            runner.cuda_graphs = graphs
+            runner.cuda_graphs, runner.piecewise_graphs = graphs, pieces
     return cm()
 
 
@@ -377,7 +378,12 @@ def profile_prefill(worker: Any, num_seqs: int, seq_len: int, kinds: list[str], 
     planned = PlannedBatch(worker, plan)
     try:
         point: dict[str, Any] = {"num_seqs": num_seqs, "seq_len": seq_len}
+        # As served: piecewise CUDA graphs when the runner captured them for this many tokens.
+        point["piecewise_graphs"] = bool(runner.piecewise_graphs is not None and runner.piecewise_graphs.sizes[-1]
+                                         >= num_seqs * seq_len)
         point["step_ms"] = cuda_time(planned.execute, runner.device, warmup=2, reps=options.reps).as_dict()
+        with _eager(runner):
+            point["eager_step_ms"] = cuda_time(planned.execute, runner.device, warmup=2, reps=options.reps).as_dict()
         eager = profile_eager_step(planned, kinds, options.top)
         point["eager"] = {k: v for k, v in eager.items() if k != "tagged_kernels"}
     finally:
@@ -459,7 +465,9 @@ def short_table(results: dict[str, Any]) -> list[str]:
                                  f"{p['graph']['unaligned_kernels']} unaligned)", p["graph"])
         lines += _kind_lines(f"eager (host {p['eager']['host_step_us']:.0f} µs)", p["eager"])
     for p in results.get("prefill", []):
-        lines.append(f"prefill {p['num_seqs']}x{p['seq_len']}: step {p['step_ms']['median_ms']:.3f} ms")
+        lines.append(f"prefill {p['num_seqs']}x{p['seq_len']}: step {p['step_ms']['median_ms']:.3f} ms"
+                     f"{' (piecewise graphs)' if p.get('piecewise_graphs') else ''}, "
+                     f"eager {p['eager_step_ms']['median_ms']:.3f} ms")
         lines += _kind_lines(f"eager (host {p['eager']['host_step_us']:.0f} µs, GPU span "
                              f"{p['eager']['gpu_span_us']:.0f} µs)", p["eager"])
     return lines

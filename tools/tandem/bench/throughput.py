@@ -163,6 +163,8 @@ def _prepare_peer(record: BenchRecord, engine: Any, engine_config: Any) -> Any:
         # captured graphs hold the pool (and their own memory pool) too: they go first.
         if getattr(runner, "cuda_graphs", None) is not None:
             runner.cuda_graphs = None
+        if getattr(runner, "piecewise_graphs", None) is not None:
+            runner.piecewise_graphs = None
         res.setdefault("engine", {})["caches_after_peer_release"] = shrink_engine_caches(runner, small_blocks, 1)
         release_device_memory()
     hf = None

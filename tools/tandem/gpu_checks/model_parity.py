@@ -95,13 +95,17 @@ class Recorder:
         self.last: dict[str, torch.Tensor] = {}
         self.steps = 0
         self.graph_steps = 0
+        self.piecewise_steps = 0  # steps with prefill rows replayed in pieces
         worker.execute = self  # type: ignore[method-assign]
 
     @torch.inference_mode()
     def __call__(self, batch: StepBatch, previous: WorkerStep | None = None) -> torch.Tensor:
-        graphs = self.runner.cuda_graphs
-        if graphs is not None and graphs.can_run(host_inputs_from_rows(batch, self.runner.block_size)):
+        graphs, pieces = self.runner.cuda_graphs, self.runner.piecewise_graphs
+        host = host_inputs_from_rows(batch, self.runner.block_size)
+        if graphs is not None and graphs.can_run(host):
             self.graph_steps += 1
+        elif pieces is not None and pieces.can_run(host):
+            self.piecewise_steps += 1
         self.steps += 1
         logits = self._worker_execute(batch, previous)
         ids = [row.request_id for row in batch.sampling_rows]
@@ -180,6 +184,7 @@ def part_build(args: argparse.Namespace, variants: dict[str, Variant]) -> dict[s
             "attention_backend": runner.attention_backend,
             "cuda_graph_sizes": graphs.captured_sizes if graphs is not None else None,
             "cuda_graph_splits": graphs.num_splits if graphs is not None else None,
+            "piecewise_graph_sizes": runner.piecewise_graphs.captured_sizes if runner.piecewise_graphs else None,
             "seconds": round(time.monotonic() - start, 1),
         }
     # Same seed, same parameter order: every engine must hold bit-identical weights.
@@ -284,9 +289,14 @@ def part_parity(variants: dict[str, Variant]) -> dict[str, Any]:
         result["num_steps"] = len(result["steps"])
     unfinished = [n for n, v in variants.items() if v.engine.has_work()]
     graph_steps = {n: [v.recorder.graph_steps, v.recorder.steps] for n, v in variants.items()}
+    piecewise_steps = {n: v.recorder.piecewise_steps for n, v in variants.items()}
     used_graphs = graph_steps["triton_graphs"][0] > 0
-    ok = all(p["ok"] for p in pairs.values()) and not unfinished and used_graphs
+    # Models whose steps with prefill rows can be captured in pieces must have replayed some.
+    graphs_runner = variants["triton_graphs"].recorder.runner
+    used_pieces = graphs_runner.piecewise_graphs is None or piecewise_steps["triton_graphs"] > 0
+    ok = all(p["ok"] for p in pairs.values()) and not unfinished and used_graphs and used_pieces
     return {"ok": ok, "pairs": pairs, "engine_steps": step, "graph_steps_of_steps": graph_steps,
+            "piecewise_steps": piecewise_steps,
             "unfinished": unfinished, "prompt_lengths": [len(p) for p in prompts]}
 
 

@@ -9,9 +9,16 @@ case).
 Nothing here reads a device tensor on the host: the kernels are sized from shapes and from the
 host-side lists of `AttentionMetadata` (`max_query_len`, `is_pure_decode`), so a step issues no
 device-to-host sync and a decode step can be captured in a CUDA graph.
+
+The attend half is the one launch whose grid depends on the step's sequence lengths. Steps with
+prefill rows are captured in pieces around it (`worker/piecewise_graphs.py`), which install an
+`attend_hook` while they capture: the hook ends one piece, and the attention itself runs eagerly
+between two replayed pieces.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +34,10 @@ class TritonAttentionBackend:
     name = "triton"
     fused_layers = True
     supports_cuda_graphs = True
+
+    def __init__(self) -> None:
+        # Called instead of `attend_paged` while set: (q, kv_cache, metadata, scale, sliding_window) -> out.
+        self.attend_hook: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
@@ -65,19 +76,31 @@ class TritonAttentionBackend:
         )
         return self._attend(q, kv_cache, metadata, scale, sliding_window)
 
-    @staticmethod
     def _attend(
-        q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        # A fresh contiguous output: q may be a strided view of the qkv projection.
+        if self.attend_hook is not None:
+            return self.attend_hook(q, kv_cache, metadata, scale, sliding_window)
+        return attend_paged(q, kv_cache, metadata, scale, sliding_window)
+
+
+def attend_paged(
+    q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+    sliding_window: int | None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of `q` over the cache (its K/V already stored): the split-KV decode kernel when
+    every sequence brings one token, else the variable-length prefill kernel. `out` (contiguous,
+    q's shape) is written when given, else a fresh tensor (q may be a strided view of the qkv
+    projection)."""
+    if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if metadata.is_pure_decode:
-            return paged_decode_attention(
-                q, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
-                num_splits=metadata.decode_num_splits, out=out, sliding_window=sliding_window,
-            )
-        return paged_prefill_attention(
-            q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
-            metadata.max_query_len, out=out, sliding_window=sliding_window,
+    if metadata.is_pure_decode:
+        return paged_decode_attention(
+            q, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
+            num_splits=metadata.decode_num_splits, out=out, sliding_window=sliding_window,
         )
+    return paged_prefill_attention(
+        q, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
+        metadata.max_query_len, out=out, sliding_window=sliding_window,
+    )

@@ -333,11 +333,14 @@ def host_to_device(
     return ModelInputs(input_ids=input_ids, metadata=metadata)
 
 
+_ALIGN_BYTES = 16
+
+
 class PinnedStaging:
     """Reusable pinned host buffers through which a step's arrays reach the GPU asynchronously.
 
-    All arrays of one dtype are packed into one pinned buffer and sent with one
-    `non_blocking` copy; the device tensors returned are views of that copy. A buffer is
+    All arrays of one dtype are packed into one pinned buffer (each starting 16-byte aligned)
+    and sent with one `non_blocking` copy; the device tensors returned are views of that copy. A buffer is
     refilled only after the copy that last read it has finished (an event wait). Two sets of
     buffers alternate, so with overlapped scheduling the step being built never waits on the
     copy of the step in flight, only on the one before it (long done). Buffers grow to the
@@ -371,14 +374,19 @@ class PinnedStaging:
             by_dtype.setdefault(a.dtype, []).append(i)
         for np_dtype, indices in by_dtype.items():
             dtype = torch.from_numpy(np.empty(0, dtype=np_dtype)).dtype
-            total = sum(arrays[i].size for i in indices)
+            # Each array starts 16-byte aligned in the packed copy: Triton compiles a variant per
+            # alignment class of a pointer argument, and a class that depends on the step's
+            # batch size would compile (or load from disk) mid-serving.
+            align = max(1, _ALIGN_BYTES // np_dtype.itemsize)
+            starts, total = [], 0
+            for i in indices:
+                starts.append(total)
+                total += -(-arrays[i].size // align) * align
             key = (self._slot, dtype)
             buf = self._buffer(key, total)
             host = buf.numpy()
-            offset = 0
-            for i in indices:
-                host[offset : offset + arrays[i].size] = arrays[i].reshape(-1)
-                offset += arrays[i].size
+            for i, start in zip(indices, starts):
+                host[start : start + arrays[i].size] = arrays[i].reshape(-1)
             if self._pinned:
                 packed = buf[:total].to(self.device, non_blocking=True)
                 if key not in self._events:
@@ -386,9 +394,6 @@ class PinnedStaging:
                 self._events[key].record(torch.cuda.current_stream(self.device))
             else:  # a copy, not a view: the next step refills the buffer
                 packed = buf[:total].clone()
-            offset = 0
-            for i in indices:
-                n = arrays[i].size
-                out[i] = packed[offset : offset + n].view(arrays[i].shape)
-                offset += n
+            for i, start in zip(indices, starts):
+                out[i] = packed[start : start + arrays[i].size].view(arrays[i].shape)
         return out  # type: ignore[return-value]

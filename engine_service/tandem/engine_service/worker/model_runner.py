@@ -7,6 +7,7 @@ import torch
 
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.worker.cuda_graphs import DecodeCudaGraphs, capture_sizes
+from tandem.engine_service.worker.piecewise_graphs import PiecewiseCudaGraphs
 from tandem.engine_service.worker.input_batch import (
     HostInputs,
     PinnedStaging,
@@ -41,7 +42,8 @@ class ModelRunner:
     `num_blocks`, and the last one (`scratch_block`) is where the dummy rows of a padded
     CUDA-graph batch write. On CUDA, step inputs travel through pinned buffers without a host
     sync, and pure-decode steps replay captured CUDA graphs (unless `enforce_eager`, or the
-    attention backend cannot be captured).
+    attention backend cannot be captured); steps with prefill rows replay graphs captured in
+    pieces between attention calls (`piecewise_graphs.py`), for models without state groups.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -84,8 +86,10 @@ class ModelRunner:
         )
         self._staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        self.piecewise_graphs: PiecewiseCudaGraphs | None = None
         if self.device.type == "cuda" and not mc.enforce_eager:
             self._capture_cuda_graphs(config)
+            self._capture_piecewise_graphs(config)
 
     @property
     def kv_caches(self) -> list[torch.Tensor | None]:
@@ -132,6 +136,25 @@ class ModelRunner:
             return
         self.cuda_graphs = graphs
 
+    def _capture_piecewise_graphs(self, config: EngineConfig) -> None:
+        max_tokens = min(config.model.prefill_graph_tokens, config.scheduler.max_num_batched_tokens)
+        if max_tokens <= 0 or self.cache_tensors.state or not hasattr(self.model.attn_backend, "attend_hook"):
+            log.info("piecewise cuda graphs off", max_tokens=max_tokens, state_groups=bool(self.cache_tensors.state),
+                     backend=self.attention_backend)
+            return
+        graphs = PiecewiseCudaGraphs(
+            self.model, self.layer_caches, max_tokens=max_tokens, block_size=self.block_size,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size), scratch_block=self.scratch_block,
+            device=self.device,
+            extra_scratch_blocks=[g.num_blocks for g in self.memory_plan.paged_groups[1:]],
+        )
+        try:
+            graphs.capture()
+        except Exception:  # as for decode graphs: speed lost, not correctness
+            log.exception("piecewise cuda graph capture failed; steps with prefill rows run eagerly")
+            return
+        self.piecewise_graphs = graphs
+
     @torch.inference_mode()
     def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state slot src -> dst for each pair, in every state group's layer tensors (state
@@ -151,6 +174,8 @@ class ModelRunner:
         engine builds `host` from the worker's rows (`worker.StepWorker`)."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(host):
             return self.cuda_graphs.run(host, self._staging, previous_tokens)
+        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(host):
+            return self.piecewise_graphs.run(host, self._staging, previous_tokens)
         inputs = host_to_device(host, self.device, self._staging, previous_tokens)
         md = inputs.metadata
         hidden = self.model(inputs.input_ids, md.positions, self.layer_caches, md)
