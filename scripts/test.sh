@@ -16,4 +16,5 @@ bash scripts/check_deploy.sh
 # is spent waiting on servers, so two files overlap well even on two cores. One OpenMP thread per
 # process: two workers' processes on two cores each spinning two threads wait on each other.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/pytest -q -n "${TANDEM_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# --durations: the 15 slowest tests close the log (docs/testing.md keeps the list).
+exec .venv/bin/pytest -q -n "${TANDEM_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=15 "$@"
