@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.engine_service.worker.input_batch import build_model_inputs
 from tandem.engine_service.layers.attention import AttentionMetadata, paged_attention_reference, write_kv
 from tandem.engine_service.worker.loader import build_model, resolve_model
 from tandem.engine_service.sequence import SamplingParams, Sequence
+from tests.conftest import model_rows
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -47,24 +47,10 @@ class PagedHarness:
     @torch.inference_mode()
     def step(self, work: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
         """Run `n` new tokens of each sequence; returns each one's logits for all its new rows."""
-
-        class Item:
-            def __init__(self, seq: Sequence, n: int) -> None:
-                self.seq, self.num_new_tokens, self.sample = seq, n, True
-
         for seq, n in work:
             self.ensure_blocks(seq, seq.num_computed_tokens + n)
             seq.block_tables[1:] = [seq.block_table] * (self.num_groups - 1)
-        inputs = build_model_inputs([Item(s, n) for s, n in work], BLOCK_SIZE, torch.device("cpu"))
-        md = inputs.metadata
-        hidden = self.model(inputs.input_ids, md.positions, self.kv_caches, md)
-        logits = self.model.compute_logits(hidden).float()
-        out = []
-        for i, (seq, n) in enumerate(work):
-            start = int(md.query_start_loc[i])
-            out.append(logits[start : start + n])
-            seq.num_computed_tokens += n
-        return out
+        return model_rows(self.model, self.kv_caches, work, BLOCK_SIZE)
 
 
 def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
