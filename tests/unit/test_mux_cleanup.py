@@ -194,3 +194,33 @@ def test_abort_after_the_grpc_channel_closed_ends_quietly():
         await call._abort()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_subscription_ending_while_the_frontend_stops_is_no_loss(stopping: bool):
+    """Under `tandem serve` a Ctrl-C reaches the engines with the frontend, and an engine may end
+    the subscription while the frontend still drains: once `stopping()` was called that is
+    expected (an info line), not an `engine_subscription_lost` warning. Requests still on the
+    channel end with UNAVAILABLE either way."""
+    from structlog.testing import capture_logs
+
+    async def scenario():
+        stub = _EngineStub()
+        channel = MuxChannel(stub, "engine:1")
+        await channel.ensure_open()
+        queue: asyncio.Queue = asyncio.Queue()
+        channel.queues["r1"] = queue
+        if stopping:
+            channel.stopping()
+        with capture_logs() as logs:
+            channel._call.cancel()  # the engine ends the subscription
+            failure = await asyncio.wait_for(queue.get(), 3.0)
+        assert failure.code() == grpc.StatusCode.UNAVAILABLE
+        await channel.close()
+        return [entry["event"] for entry in logs]
+
+    events = asyncio.run(scenario())
+    if stopping:
+        assert "engine_subscription_ended_while_stopping" in events and "engine_subscription_lost" not in events
+    else:
+        assert "engine_subscription_lost" in events

@@ -194,6 +194,7 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     signals = StopSignals(on_stop=on_stop, on_force=on_force)
     signals.install()
     await signals.stop.wait()
+    (disaggregated or pool).stopping()
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer.accepting = False
     await signals.drain(lambda: len(servicer.ids), options.drain_timeout)

@@ -120,6 +120,10 @@ class DisaggregatedPools:
         self.prefill.start_monitor()
         self.decode.start_monitor()
 
+    def stopping(self) -> None:
+        self.prefill.stopping()
+        self.decode.stopping()
+
     async def close(self) -> None:
         await asyncio.gather(self.prefill.close(), self.decode.close())
 

@@ -45,6 +45,7 @@ class MuxChannel:
         self._opening: asyncio.Lock = asyncio.Lock()
         self.open = False
         self._closing = False  # close() ends the subscription: not a loss worth a warning
+        self._stopping = False  # the frontend drains: its engines may stop first (serve stops all)
 
     async def ensure_open(self, timeout: float = 10.0) -> None:
         """Subscribes (once; again after a failure) and waits for the engine's acknowledgement."""
@@ -78,13 +79,21 @@ class MuxChannel:
         finally:
             self.open = False
             failure = error or _rpc_error(grpc.StatusCode.UNAVAILABLE, "engine subscription ended")
-            if not self._closing and (error is None or error.code() != grpc.StatusCode.CANCELLED):
+            if self._stopping and not self._closing:
+                # Requests still on it end with `failure`, and report that themselves.
+                log.info("engine_subscription_ended_while_stopping", address=self.address,
+                         in_flight=len(self.queues))
+            elif not self._closing and (error is None or error.code() != grpc.StatusCode.CANCELLED):
                 log.warning("engine_subscription_lost", address=self.address, code=failure.code().name)
             for queue in self.queues.values():
                 queue.put_nowait(failure)
 
     def call(self, request: engine_pb2.EngineRequest, timeout: float | None, metadata) -> "MuxCall":
         return MuxCall(self, request, timeout, metadata)
+
+    def stopping(self) -> None:
+        """The frontend started to drain: the subscription ending is expected from now on."""
+        self._stopping = True
 
     async def close(self) -> None:
         self._closing = True

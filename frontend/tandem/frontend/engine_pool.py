@@ -261,6 +261,12 @@ class EnginePool:
             log.warning("engine_replica_unavailable", address=replica.address)
         replica.healthy = False
 
+    def stopping(self) -> None:
+        """The frontend drains: engines stopping alongside it (as under `tandem serve`) are expected."""
+        for r in self.replicas:
+            if r.mux is not None:
+                r.mux.stopping()
+
     async def close(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
