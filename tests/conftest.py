@@ -52,30 +52,35 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _children(pid: int) -> list[int]:
+    """The direct children of `pid` (of any of its threads); none once it is gone."""
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
 def _live_descendants(pid: int) -> list[int]:
     """Every process below `pid` that has not exited (zombies, exited but not yet reaped, are
     not counted), multiprocessing's helpers excepted."""
     out: list[int] = []
     stack = [pid]
     while stack:
-        parent = stack.pop()
-        try:
-            tasks = list(Path(f"/proc/{parent}/task").iterdir())
-        except OSError:
-            continue
-        for task in tasks:
+        for child in _children(stack.pop()):
+            stack.append(child)
             try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
+                state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
                 continue
-            for child in children:
-                stack.append(child)
-                try:
-                    state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                except (OSError, IndexError):
-                    continue
-                if state != "Z" and not any(h in _cmdline(child) for h in _LONG_LIVED_HELPERS):
-                    out.append(child)
+            if state != "Z" and not any(h in _cmdline(child) for h in _LONG_LIVED_HELPERS):
+                out.append(child)
     return out
 
 
@@ -235,17 +240,9 @@ class ServerProcess:
 
 def child_pid(pid: int, needle: str) -> int:
     """The one child process of `pid` whose command line contains `needle`."""
-    def cmdline(p: int) -> str:
-        return Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    matches = [c for c in children if needle in cmdline(c)]
-    assert len(matches) == 1, (needle, [(c, cmdline(c)) for c in children])
+    children = _children(pid)
+    matches = [c for c in children if needle in _cmdline(c)]
+    assert len(matches) == 1, (needle, [(c, _cmdline(c)) for c in children])
     return matches[0]
 
 
