@@ -211,7 +211,7 @@ const CHECKS = {
 
   /**
    * (6) proto3 `optional` presence from JavaScript: an unset temperature is not sent, so the
-   * server applies the model's default (Utility MODEL_INFO's `sampling_defaults`); an explicit 0
+   * server applies the model's default (GetModelInfo's `sampling_defaults`); an explicit 0
    * is sent (greedy). Holds whatever the server's defaults are: with sampling defaults the unset
    * request must sample, with greedy defaults it must decode greedily.
    */
@@ -231,8 +231,8 @@ const CHECKS = {
     const zero = await text({ temperature: 0 });
     assert.equal(seededA, seededB, 'same seed, unset temperature: texts differ');
     assert.equal(zero, greedy, 'explicit temperature 0 is not greedy (was the zero dropped?)');
-    const defaults = (await client.utility('model_info', { deadlineMs: 5000 })).sampling_defaults;
-    assert.ok(defaults, 'MODEL_INFO carries no sampling_defaults');
+    const defaults = (await client.getModelInfo({ deadlineMs: 5000 })).sampling_defaults;
+    assert.ok(defaults, 'GetModelInfo carries no sampling_defaults');
     const greedyDefaults = defaults.temperature === 0 || defaults.top_k === 1;
     if (greedyDefaults) {
       assert.equal(seededA, greedy, 'greedy defaults, unset temperature: not decoded greedily');

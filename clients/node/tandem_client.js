@@ -196,7 +196,7 @@ class TandemClient {
 
   /**
    * Utility call. Returns the decoded result Struct as a plain object.
-   * @param {string} command e.g. 'stats', 'health', 'model_info', 'abort'.
+   * @param {string} command e.g. 'stats', 'health', 'abort', 'flush_prefix_cache'.
    * @param {{requestId?: string, args?: object, deadlineMs?: number}} [opts]
    */
   utility(command, { requestId, args, deadlineMs } = {}) {

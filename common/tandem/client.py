@@ -116,7 +116,7 @@ class TandemClient:
         return self.stub.Stream(build_request(prompt=prompt, **kwargs), timeout=timeout, metadata=self.metadata)
 
     def utility(self, command: str, request_id: str = "", timeout: float | None = 30.0) -> dict:
-        """Runs a Utility command by name (health, model_info, abort, stats, flush_prefix_cache, ...)."""
+        """Runs a Utility command by name (health, abort, stats, flush_prefix_cache, ...)."""
         value = common_pb2.UtilityCommand.Value("UTILITY_COMMAND_" + command.upper())
         resp = self.stub.Utility(
             common_pb2.UtilityRequest(command=value, request_id=request_id), timeout=timeout, metadata=self.metadata

@@ -379,13 +379,6 @@ class CoreInfo(msgspec.Struct, kw_only=True):
     # when it is given no --tokenizer.
     tokenizer_path: str | None = None
 
-    def model_info(self) -> dict[str, Any]:
-        """The MODEL_INFO utility's answer."""
-        info = msgspec.structs.asdict(self)
-        info.pop("kv_capacity_tokens")
-        info.pop("enable_prefix_caching")
-        return info
-
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):
     """The core loaded its model and serves from now on."""

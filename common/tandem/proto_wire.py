@@ -36,11 +36,21 @@ TEMPERATURE_EPSILON = 1e-5
 
 
 class InvalidRequest(ValueError):
-    """A request field is invalid; `field` names it (maps to INVALID_ARGUMENT)."""
+    """A request field is invalid; `field` names it. `status` is the gRPC status it maps to, by
+    name (INVALID_ARGUMENT; HTTP 400)."""
+
+    status = "INVALID_ARGUMENT"
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class UnknownModel(InvalidRequest):
+    """`model` names a model this server does not serve: NOT_FOUND (HTTP 404, as OpenAI and vLLM
+    answer it), so a gateway can tell it from a malformed request."""
+
+    status = "NOT_FOUND"
 
 
 @dataclass(frozen=True)

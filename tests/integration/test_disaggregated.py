@@ -96,8 +96,10 @@ def test_n_choices_stop_strings_and_one_token(disagg):
 
 
 def test_frontend_reports_both_pools(disagg):
-    info = disagg["client"].utility("model_info")
-    assert info["disaggregated"] == {"prefill": [disagg["prefill"]], "decode": [disagg["decode"]]}
+    info = disagg["client"].server_info()
+    assert info.disaggregated
+    assert [(e.address, e.role, e.kv_role) for e in info.engines] == [
+        (disagg["prefill"], "prefill", "producer"), (disagg["decode"], "decode", "consumer")]
     stats = disagg["client"].utility("stats")
     assert set(stats["engines"]) == {disagg["prefill"], disagg["decode"]}
 
@@ -112,10 +114,9 @@ def test_decode_engine_loads_the_prompt_remotely_and_only_new_blocks_later(disag
     client = disagg["client"]
     client.utility("flush_prefix_cache")  # both pools: nothing cached on either engine
     with grpc.insecure_channel(disagg["decode"]) as ch:
-        info = engine_pb2_grpc.EngineStub(ch).Utility(
-            common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_MODEL_INFO), timeout=10).result
-    block_size = int(info["block_size"])
-    assert info["kv_transfer"]["role"] == "consumer"
+        info = engine_pb2_grpc.EngineStub(ch).GetModelInfo(engine_pb2.EngineModelInfoRequest(), timeout=10)
+    block_size = info.block_size
+    assert info.kv_transfer.role == "consumer"
     kwargs = dict(max_tokens=6, temperature=0.0, return_prompt_token_ids=True)
     before = _kv(client, disagg["decode"])
     first = client.generate(LONG_PREFIX + "Question: which planet has rings? Answer:", **kwargs)

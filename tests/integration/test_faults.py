@@ -88,7 +88,6 @@ BAD_INPUTS = [
     ("n", dict(n=1000)),
     ("stop", dict(stop=[""])),
     ("stop", dict(stop=["x" * 1000])),
-    ("model", dict(model="gpt-17-ultra")),
     ("request_id", dict(request_id="bad\nid")),
     ("prompt", dict(prompt="a" * (5 * 1024 * 1024))),  # oversize, under the transport limit
 ]
@@ -101,6 +100,14 @@ def test_bad_input_is_invalid_argument(client, field, overrides):
         client.generate(**kwargs)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert field.split("[")[0] in err.value.details(), err.value.details()
+
+
+def test_an_unknown_model_is_not_found(client):
+    """Not a malformed request: a model this server does not serve (NOT_FOUND, HTTP 404 over HTTP)."""
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(**OK, model="gpt-17-ultra")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+    assert err.value.details().startswith("model: unknown model 'gpt-17-ultra'"), err.value.details()
 
 
 def test_malformed_utf8_is_invalid_argument(serve):

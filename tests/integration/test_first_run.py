@@ -71,10 +71,11 @@ def test_model_info_reports_the_effective_sampling_defaults(first_run):
     from tandem.client import TandemClient
 
     with TandemClient(first_run["address"]) as client:
-        info = client.utility("model_info")
-    defaults = info["sampling_defaults"]
-    assert defaults["temperature"] == 0.0 and defaults["source"].startswith("shipped")
-    assert defaults["max_tokens"] == 256 and defaults["top_p"] == 1.0
+        info = client.model_info()
+    defaults = info.sampling_defaults
+    assert defaults.HasField("temperature") and defaults.temperature == 0.0
+    assert info.sampling_defaults_source.startswith("shipped")
+    assert defaults.max_tokens == 256 and defaults.top_p == 1.0
 
 
 def test_client_without_a_server_says_where_it_looked_in_one_line(get_free_port):
@@ -146,7 +147,7 @@ def test_explicit_temperature_zero_beats_a_model_default_of_0_7(launch_serve, tm
     _, frontend, _ = launch_serve(["--generation-config", str(gen)])
     messages = [{"role": "user", "content": QUESTION}]
     with TandemClient(frontend) as client:
-        assert client.utility("model_info")["sampling_defaults"]["temperature"] == pytest.approx(0.7)
+        assert client.model_info().sampling_defaults.temperature == pytest.approx(0.7)
         greedy = {client.chat(messages, temperature=0.0, seed=s, max_tokens=12).choices[0].text for s in range(4)}
         sampled = {client.chat(messages, seed=s, max_tokens=12).choices[0].text for s in range(6)}
     assert len(greedy) == 1 and "Paris" in greedy.pop()

@@ -417,7 +417,7 @@ def test_sliding_window_model_moves_every_cache_group():
 
 
 def test_model_info_reports_the_role(producer, consumer):
-    info = core_info(producer.engine).model_info()["kv_transfer"]
+    info = core_info(producer.engine).kv_transfer
     from tandem.engine_service.kv_connector.nixl_transport import nixl_available
 
     # CPU: TCP always, NIXL where the package is installed, never CUDA IPC.
@@ -425,7 +425,7 @@ def test_model_info_reports_the_role(producer, consumer):
     host, port = info["transfer_address"].rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) == producer.engine.kv.server.port > 0
     assert info["engine_id"].startswith("tandem-")
-    cinfo = core_info(consumer.engine).model_info()["kv_transfer"]
+    cinfo = core_info(consumer.engine).kv_transfer
     assert cinfo["role"] == "consumer" and cinfo["transfer_address"] is None
 
 
@@ -468,8 +468,8 @@ def test_two_engine_processes_over_grpc(tmp_path, reference):
             r = stub.Utility(common_pb2.UtilityRequest(command=command), timeout=10)
             return json_format.MessageToDict(r.result)
 
-        info = utility(pstub, common_pb2.UTILITY_COMMAND_MODEL_INFO)["kv_transfer"]
-        assert info["role"] == "producer" and info["engine_id"] == "prefill-0"
+        info = pstub.GetModelInfo(engine_pb2.EngineModelInfoRequest(), timeout=10).kv_transfer
+        assert info.role == "producer" and info.engine_id == "prefill-0"
 
         def call(stub, rid, tokens, max_tokens, params=None):
             req = engine_pb2.EngineRequest(request_id=rid, prompt_token_ids=tokens, sampling=common_pb2.SamplingParams(

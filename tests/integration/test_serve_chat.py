@@ -35,9 +35,10 @@ def test_request_id_is_echoed(client):
 
 
 def test_model_info_and_health(client):
-    info = client.utility("model_info")
-    assert info["vocab_size"] >= 49152
-    assert info["max_model_len"] > 0
+    info = client.model_info()
+    assert info.vocab_size >= 49152
+    assert info.max_context_length > 0
+    assert info.tokenizer_round_trip_ok
     health = client.utility("health")
     assert health["status"] == "SERVING"
 
@@ -56,9 +57,16 @@ def test_reflection_is_off_by_default(serve):
             assert exc.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_typed_control_plane_from_the_python_client(client):
+def test_typed_control_plane_from_the_python_client(client, serve):
+    import grpc
+
+    from tandem.v1 import engine_pb2, engine_pb2_grpc
+
     info = client.model_info()
-    assert info.max_context_length == client.utility("model_info")["max_model_len"]
+    with grpc.insecure_channel(serve["engine"]) as channel:  # the engine's own typed answer
+        engine = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.EngineModelInfoRequest(), timeout=10)
+    assert info.max_context_length == engine.max_model_len > 0 and info.vocab_size == engine.vocab_size
+    assert info.kv_capacity_tokens == engine.kv_capacity_tokens == engine.kv_blocks * engine.block_size
     ids = client.tokenize(messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert client.detokenize(ids).count("What is the capital of France?") == 1  # inside the chat template
     assert client.detokenize(client.tokenize("Paris")) == "Paris"

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import json_format
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -30,7 +29,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client import TandemClient
-from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tandem.v1 import engine_pb2, engine_pb2_grpc
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 CALL_TIMEOUT = 60.0
@@ -221,13 +220,11 @@ def test_cli_chat_with_tls_flags(secured):
 
 
 # -- the engine, reached directly (a compromised pod on the network) ---------------------------------
-def _engine_utility(s, creds: grpc.ChannelCredentials, token: str | None) -> dict:
+def _engine_model_info(s, creds: grpc.ChannelCredentials, token: str | None) -> engine_pb2.EngineModelInfo:
     metadata = [("authorization", f"Bearer {token}")] if token else None
     with grpc.secure_channel(s["engine"], creds) as ch:
-        resp = engine_pb2_grpc.EngineStub(ch).Utility(
-            common_pb2.UtilityRequest(command=common_pb2.UTILITY_COMMAND_MODEL_INFO), timeout=CALL_TIMEOUT,
-            metadata=metadata)
-    return json_format.MessageToDict(resp.result)
+        return engine_pb2_grpc.EngineStub(ch).GetModelInfo(
+            engine_pb2.EngineModelInfoRequest(), timeout=CALL_TIMEOUT, metadata=metadata)
 
 
 def test_engine_port_refuses_callers_without_its_cert_and_token(secured):
@@ -235,7 +232,7 @@ def test_engine_port_refuses_callers_without_its_cert_and_token(secured):
     internal = pki["internal_ca"]
     before = _engine_counters(secured)
     # The frontend's public client certificate (and token) do not open the engine.
-    assert _code(lambda: _engine_utility(secured, _creds(internal, pki["client"]), secured["frontend_token"])) == \
+    assert _code(lambda: _engine_model_info(secured, _creds(internal, pki["client"]), secured["frontend_token"])) == \
         grpc.StatusCode.UNAVAILABLE
     with grpc.insecure_channel(secured["engine"]) as ch:
         stub = engine_pb2_grpc.EngineStub(ch)
@@ -243,12 +240,12 @@ def test_engine_port_refuses_callers_without_its_cert_and_token(secured):
         assert _code(lambda: list(stub.Stream(request, timeout=CALL_TIMEOUT))) == grpc.StatusCode.UNAVAILABLE
     # The engine's own client certificate without the engine token: the interceptor still refuses.
     engine_creds = _creds(internal, pki["frontend_to_engine"])
-    assert _code(lambda: _engine_utility(secured, engine_creds, None)) == grpc.StatusCode.UNAUTHENTICATED
-    assert _code(lambda: _engine_utility(secured, engine_creds, secured["frontend_token"])) == \
+    assert _code(lambda: _engine_model_info(secured, engine_creds, None)) == grpc.StatusCode.UNAUTHENTICATED
+    assert _code(lambda: _engine_model_info(secured, engine_creds, secured["frontend_token"])) == \
         grpc.StatusCode.PERMISSION_DENIED
     assert _engine_counters(secured) == before
     # Both together work, and the engine's health answers without a token (its probes carry none).
-    assert _engine_utility(secured, engine_creds, secured["engine_token"])["vocab_size"] >= 49152
+    assert _engine_model_info(secured, engine_creds, secured["engine_token"]).vocab_size >= 49152
     with grpc.secure_channel(secured["engine"], engine_creds) as ch:
         r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="tandem.v1.Engine"),
                                                  timeout=CALL_TIMEOUT)

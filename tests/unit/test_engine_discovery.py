@@ -11,6 +11,7 @@ import pytest
 
 from tandem.frontend import engine_discovery as d
 from tandem.frontend.engine_pool import EnginePool
+from tandem.v1 import engine_pb2
 
 
 def closed_port() -> int:
@@ -65,7 +66,7 @@ def test_the_pool_follows_the_name() -> None:
 
         dns.records = ["127.0.0.2", "127.0.0.3"]
         first = next(r for r in pool.replicas if r.address == f"127.0.0.1:{port}")
-        first.healthy, first.model_info, first.in_flight = True, {"model": "m"}, 1
+        first.healthy, first.model_info, first.in_flight = True, engine_pb2.EngineModelInfo(model="m"), 1
         await pool.refresh()
         assert addresses() == sorted([static, f"127.0.0.1:{port}", f"127.0.0.2:{port}", f"127.0.0.3:{port}"])
         assert first.draining and not first.routable  # no new requests, its in-flight one continues

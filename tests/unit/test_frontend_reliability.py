@@ -74,12 +74,14 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         finally:
             self.running.pop(rid, None)
 
+    async def GetModelInfo(self, request, context):
+        return engine_pb2.EngineModelInfo(model="smol", model_path=self.model_path, vocab_size=VOCAB,
+                                          max_model_len=MAX_LEN, kv_blocks=1024, block_size=16,
+                                          kv_capacity_tokens=1024 * 16)
+
     async def Utility(self, request, context):
         cmd = request.command
-        if cmd == C.UTILITY_COMMAND_MODEL_INFO:
-            result = {"model": "smol", "model_path": self.model_path, "vocab_size": VOCAB,
-                      "max_model_len": MAX_LEN, "kv_blocks": 1024, "block_size": 16}
-        elif cmd == C.UTILITY_COMMAND_ABORT:
+        if cmd == C.UTILITY_COMMAND_ABORT:
             event = self.running.get(request.request_id)
             if event is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND, "not in flight")
@@ -581,11 +583,11 @@ def test_ready_with_one_replica_and_the_other_joins_later(smollm2_dir):
         assert pool.any_healthy and pool.pick().address == live_addr
         late_server, late_addr = await start_engine(FakeEngine(str(smollm2_dir)), port=late_port)
         joined = time.monotonic()
-        while not all(r.model_info for r in pool.replicas):  # the monitor's rounds, run by hand
+        while not all(r.model_info is not None for r in pool.replicas):  # the monitor's rounds, run by hand
             assert time.monotonic() - joined < 10, "the late replica never joined"
             await pool.probe()
             await asyncio.sleep(0.1)
-        assert {r.address for r in pool.replicas if r.healthy and r.model_info} == {live_addr, late_addr}
+        assert {r.address for r in pool.replicas if r.healthy and r.model_info is not None} == {live_addr, late_addr}
         busy = pool.pick()
         busy.in_flight += 5
         assert pool.pick() is not busy  # the late replica takes traffic

@@ -26,7 +26,7 @@ from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.proto_wire import Limits
 from tandem.security import SecurityOptions, add_port
 from tandem.shutdown import StopSignals
-from tandem.v1 import frontend_pb2
+from tandem.v1 import engine_pb2, frontend_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -76,13 +76,13 @@ def _engine_pool(options: FrontendOptions, addresses: list[str]) -> EnginePool:
                       transport=options.engine_transport, resolve_interval=options.engine_resolve_interval)
 
 
-def engine_default_max_tokens(model_info: dict, fallback: int) -> int:
-    """The max_tokens an engine gives a request that sets none, as its model info reports it
+def engine_default_max_tokens(model_info: engine_pb2.EngineModelInfo, fallback: int) -> int:
+    """The max_tokens an engine gives a request that sets none, as its GetModelInfo reports it
     (its generation config's, else its --default-max-tokens); `fallback` (the frontend's own
     --default-max-tokens) for an engine that reports none. The frontend validates with it, so a
     request is judged by the value the engine will use, and the disaggregated legs split it."""
-    reported = (model_info.get("sampling_defaults") or {}).get("max_tokens")
-    return int(reported) if reported else fallback
+    defaults = model_info.sampling_defaults
+    return defaults.max_tokens if defaults.HasField("max_tokens") and defaults.max_tokens > 0 else fallback
 
 
 async def build_request_builder(options: FrontendOptions, pool: EnginePool,
@@ -91,23 +91,23 @@ async def build_request_builder(options: FrontendOptions, pool: EnginePool,
     model's limits (the stricter of the two pools')."""
     pools = disaggregated if disaggregated is not None else pool
     await pools.wait_ready(timeout=options.engine_wait_timeout)
-    info = pools.limits_info()
-    ready = next(r for r in pool.replicas if r.model_info)
+    limits_info = pools.limits_info()
+    reported = pool.reporting_model_info()
     # The engine reports its model's directory, or for dummy weights a tokenizer made to fit.
-    path = options.tokenizer or ready.model_info.get("tokenizer_path") or ready.model_info.get("model_path")
+    path = options.tokenizer or reported.tokenizer_path or reported.model_path
     if not path:
-        raise RuntimeError(f"the engine reports no tokenizer for {ready.model_info.get('model')!r}: pass "
+        raise RuntimeError(f"the engine reports no tokenizer for {reported.model!r}: pass "
                            f"--tokenizer DIR (a directory with tokenizer.json or tokenizer_config.json)")
     loop = asyncio.get_running_loop()
     tokenizer = await loop.run_in_executor(None, TextTokenizer.from_pretrained, path)
     await loop.run_in_executor(None, lambda: tokenizer.max_token_bytes)  # ~1 s, computed once, off the loop
     limits = Limits(
-        vocab_size=info["vocab_size"],
-        max_model_len=info["max_model_len"],
-        default_max_tokens=engine_default_max_tokens(ready.model_info, options.default_max_tokens),
-        kv_capacity_tokens=info["kv_capacity_tokens"],
+        vocab_size=limits_info.vocab_size,
+        max_model_len=limits_info.max_model_len,
+        default_max_tokens=engine_default_max_tokens(reported, options.default_max_tokens),
+        kv_capacity_tokens=limits_info.kv_capacity_tokens,
     )
-    name = options.served_model_name or info["model"]
+    name = options.served_model_name or limits_info.model
     return RequestBuilder(tokenizer, limits, name, aliases=(str(path),))
 
 

@@ -1,8 +1,8 @@
 """Typed answers of the Frontend's control-plane RPCs (GetModelInfo, GetServerInfo, GetLoads).
 
 Pure builders over what the frontend already holds (its `RequestBuilder`, the engine replicas'
-model info and their Utility STATS answers), so the RPC handlers in `server.py` stay thin.
-The engines' answers arrive as `google.protobuf.Struct` (numbers as doubles); they are turned
+typed GetModelInfo answers and their Utility STATS answers), so the RPC handlers in `server.py`
+stay thin. STATS arrives as `google.protobuf.Struct` (numbers as doubles); its counts are turned
 into the messages' integer fields here, once, at the frontend's edge.
 """
 
@@ -10,13 +10,9 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from tandem.frontend.engine_pool import EngineReplica
+from tandem.frontend.engine_pool import EngineReplica, PoolLimits
 from tandem.frontend.request_builder import RequestBuilder
-from tandem.v1 import common_pb2, frontend_pb2
-
-# SamplingParams fields an engine's effective defaults may name, with their wire types.
-_INT_DEFAULTS = ("max_tokens", "top_k", "min_tokens")
-_FLOAT_DEFAULTS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+from tandem.v1 import engine_pb2, frontend_pb2
 
 
 def version() -> str:
@@ -26,46 +22,32 @@ def version() -> str:
         return "unknown"
 
 
-def sampling_defaults_proto(defaults: dict | None) -> tuple[common_pb2.SamplingParams, str]:
-    """An engine's effective sampling defaults (MODEL_INFO's `sampling_defaults`) as
-    SamplingParams with every named field set, and their source."""
-    params = common_pb2.SamplingParams()
-    defaults = defaults or {}
-    for name in _INT_DEFAULTS:
-        if defaults.get(name) is not None:
-            setattr(params, name, int(defaults[name]))
-    for name in _FLOAT_DEFAULTS:
-        if defaults.get(name) is not None:
-            setattr(params, name, float(defaults[name]))
-    return params, str(defaults.get("source", ""))
-
-
-def model_info(builder: RequestBuilder, limits_info: dict, replica_info: dict) -> frontend_pb2.GetModelInfoResponse:
+def model_info(builder: RequestBuilder, limits_info: PoolLimits,
+               replica_info: engine_pb2.EngineModelInfo) -> frontend_pb2.GetModelInfoResponse:
     """`limits_info`: the pools' strictest limits (`EnginePool.limits_info`); `replica_info`: a
-    ready replica's MODEL_INFO (the same model on every replica)."""
-    defaults, source = sampling_defaults_proto(replica_info.get("sampling_defaults"))
+    ready replica's GetModelInfo answer (the same model on every replica)."""
     return frontend_pb2.GetModelInfoResponse(
         served_model_name=builder.served_model_name,
-        model=str(limits_info.get("model", "")),
+        model=limits_info.model,
         max_context_length=builder.limits.max_model_len,
         vocab_size=builder.limits.vocab_size,
-        eos_token_ids=list(builder.tokenizer.eos_token_ids),
-        sampling_defaults=defaults,
-        sampling_defaults_source=source,
-        kv_capacity_tokens=int(limits_info.get("kv_capacity_tokens", 0)),
+        eos_token_ids=list(replica_info.eos_token_ids),  # what the engine stops on
+        sampling_defaults=replica_info.sampling_defaults,
+        sampling_defaults_source=replica_info.sampling_defaults_source,
+        kv_capacity_tokens=limits_info.kv_capacity_tokens,
         tokenizer_kind=builder.tokenizer.kind,
         has_chat_template=builder.tokenizer.has_chat_template,
-        architecture=str(replica_info.get("architecture", "")),
-        dtype=str(replica_info.get("dtype", "")),
+        tokenizer_round_trip_ok=bool(builder.tokenizer.probe_passed),
+        architecture=replica_info.architecture,
+        dtype=replica_info.dtype,
     )
 
 
 def replica_info(replica: EngineReplica, role: str) -> frontend_pb2.EngineReplicaInfo:
-    kv = replica.model_info.get("kv_transfer") or {}
+    kv = replica.model_info.kv_transfer if replica.model_info is not None else engine_pb2.EngineKVTransferInfo()
     return frontend_pb2.EngineReplicaInfo(
         address=replica.address, role=role, ready=replica.routable,
-        kv_role=str(kv.get("role") or ""), kv_engine_id=str(kv.get("engine_id") or ""),
-        kv_transports=[str(t) for t in kv.get("transports") or ()],
+        kv_role=kv.role, kv_engine_id=kv.engine_id, kv_transports=list(kv.transports),
     )
 
 

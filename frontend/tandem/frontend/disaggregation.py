@@ -23,13 +23,14 @@ that could not start, a first token that ended the choice.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 
 import grpc
 import structlog
 
-from tandem.frontend.engine_pool import EnginePool, EngineReplica, NoEngineAvailable
+from tandem.frontend.engine_pool import EnginePool, EngineReplica, NoEngineAvailable, PoolLimits
 from tandem.v1 import common_pb2, engine_pb2
 
 log = structlog.get_logger(__name__)
@@ -97,20 +98,22 @@ class DisaggregatedPools:
         for pool, roles, flag in ((self.prefill, ("producer", "both"), "producer"),
                                   (self.decode, ("consumer", "both"), "consumer")):
             for r in pool.replicas:
-                role = (r.model_info.get("kv_transfer") or {}).get("role", "none") if r.model_info else None
-                if role is not None and role not in roles:
+                if r.model_info is None:
+                    continue
+                role = r.model_info.kv_transfer.role or "none"
+                if role not in roles:
                     # It still serves its leg; the decode engine then computes the prompt itself.
                     log.warning("disaggregated_engine_without_kv_role", address=r.address, role=role,
                                 needs=f"--kv-role {flag} (or both)")
         p, d = self.prefill.limits_info(), self.decode.limits_info()
-        if p["model"] != d["model"] or p["vocab_size"] != d["vocab_size"]:
-            raise RuntimeError(f"the prefill engines serve {p['model']!r} (vocabulary {p['vocab_size']}) but the "
-                               f"decode engines serve {d['model']!r} (vocabulary {d['vocab_size']})")
+        if p.model != d.model or p.vocab_size != d.vocab_size:
+            raise RuntimeError(f"the prefill engines serve {p.model!r} (vocabulary {p.vocab_size}) but the "
+                               f"decode engines serve {d.model!r} (vocabulary {d.vocab_size})")
 
-    def limits_info(self) -> dict:
+    def limits_info(self) -> PoolLimits:
         p, d = self.prefill.limits_info(), self.decode.limits_info()
-        return {**p, "max_model_len": min(p["max_model_len"], d["max_model_len"]),
-                "kv_capacity_tokens": min(p["kv_capacity_tokens"], d["kv_capacity_tokens"])}
+        return dataclasses.replace(p, max_model_len=min(p.max_model_len, d.max_model_len),
+                                   kv_capacity_tokens=min(p.kv_capacity_tokens, d.kv_capacity_tokens))
 
     @property
     def any_healthy(self) -> bool:

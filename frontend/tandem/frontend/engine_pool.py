@@ -17,7 +17,7 @@ A failed lookup keeps the name's previous addresses.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -38,6 +38,17 @@ class NoEngineAvailable(RuntimeError):
     """No engine replica is ready to take a request (maps to UNAVAILABLE)."""
 
 
+@dataclass(frozen=True)
+class PoolLimits:
+    """The strictest limits over the replicas that reported their model (GetModelInfo's
+    integers, as they came): every request is judged by these."""
+
+    model: str
+    vocab_size: int
+    max_model_len: int
+    kv_capacity_tokens: int
+
+
 @dataclass
 class EngineReplica:
     """One engine address: its channel, stubs, load and health."""
@@ -48,14 +59,14 @@ class EngineReplica:
     health: health_pb2_grpc.HealthStub
     in_flight: int = 0
     healthy: bool = False
-    model_info: dict = field(default_factory=dict)
+    model_info: engine_pb2.EngineModelInfo | None = None  # its GetModelInfo answer, once read
     mux: MuxChannel | None = None  # the multiplexed subscription, opened on first use
     draining: bool = False  # its DNS name no longer lists it: no new requests, closed when idle
 
     @property
     def routable(self) -> bool:
         """Requests may go here: it answers health checks, its model was read, it is not draining."""
-        return self.healthy and bool(self.model_info) and not self.draining
+        return self.healthy and self.model_info is not None and not self.draining
 
     def open_call(self, request: engine_pb2.EngineRequest, timeout: float | None, metadata, multiplexed: bool):
         """Starts one engine request: a per-request Stream call, or a call on the shared
@@ -124,7 +135,7 @@ class EnginePool:
         self._monitor: asyncio.Task | None = None
         # The limits the frontend was set up with (from the replicas ready at start); a replica
         # joining later must match them.
-        self._reference: dict | None = None
+        self._reference: PoolLimits | None = None
         self._incompatible: set[str] = set()
 
     def _new_replica(self, address: str) -> EngineReplica:
@@ -199,28 +210,28 @@ class EnginePool:
         for r in self.replicas:
             if r.healthy:
                 await self._learn_model(r)
-        if not any(r.model_info for r in self.replicas):
+        if not any(r.model_info is not None for r in self.replicas):
             raise NoEngineAvailable("no ready engine replica reported its model")
         self._reference = self.limits_info()
-        missing = [r.address for r in self.replicas if not r.model_info]
+        missing = [r.address for r in self.replicas if r.model_info is None]
         if missing:
-            log.warning("engine_replicas_not_ready_yet", ready=[r.address for r in self.replicas if r.model_info],
-                        waiting=missing)
+            log.warning("engine_replicas_not_ready_yet",
+                        ready=[r.address for r in self.replicas if r.model_info is not None], waiting=missing)
 
     async def _learn_model(self, replica: EngineReplica) -> None:
         """Reads a replica's model info; one that serves a different model or a smaller context
         than the frontend was set up with stays out of rotation."""
         try:
-            info = await replica.utility(common_pb2.UTILITY_COMMAND_MODEL_INFO)
+            info = await replica.stub.GetModelInfo(engine_pb2.EngineModelInfoRequest(), timeout=10.0)
         except grpc.aio.AioRpcError as exc:
             log.warning("engine_model_info_failed", address=replica.address, code=exc.code().name)
             replica.healthy = False
             return
         ref = self._reference
-        if ref is not None and (info.get("model", "") != ref["model"] or int(info["vocab_size"]) != ref["vocab_size"]
-                                or int(info["max_model_len"]) < ref["max_model_len"]
-                                or int(info["kv_blocks"]) * int(info["block_size"]) < ref["kv_capacity_tokens"]):
-            log.warning("engine_replica_incompatible", address=replica.address, model=info.get("model"))
+        if ref is not None and (info.model != ref.model or info.vocab_size != ref.vocab_size
+                                or info.max_model_len < ref.max_model_len
+                                or info.kv_capacity_tokens < ref.kv_capacity_tokens):
+            log.warning("engine_replica_incompatible", address=replica.address, model=info.model)
             self._incompatible.add(replica.address)  # never routed to; not asked again
             return
         replica.model_info = info
@@ -243,7 +254,7 @@ class EnginePool:
         await self._reap(drained)
         await asyncio.gather(*(r.check() for r in self.replicas))
         for r in self.replicas:
-            if r.healthy and not r.model_info and r.address not in self._incompatible:
+            if r.healthy and r.model_info is None and r.address not in self._incompatible:
                 await self._learn_model(r)
 
     @property
@@ -275,14 +286,21 @@ class EnginePool:
                 await r.mux.close()
         await asyncio.gather(*(r.channel.close() for r in self.replicas), return_exceptions=True)
 
-    def limits_info(self) -> dict:
+    def reporting_model_info(self) -> engine_pb2.EngineModelInfo:
+        """A replica's GetModelInfo answer (every replica serves the same model)."""
+        info = next((r.model_info for r in self.replicas if r.model_info is not None), None)
+        if info is None:
+            raise NoEngineAvailable("no engine replica reported its model")
+        return info
+
+    def limits_info(self) -> PoolLimits:
         """The most restrictive model limits across replicas (they serve the same model)."""
-        infos = [r.model_info for r in self.replicas if r.model_info]
+        infos = [r.model_info for r in self.replicas if r.model_info is not None]
         if not infos:
             raise NoEngineAvailable("no engine replica reported its model")
-        return {
-            "vocab_size": int(min(i["vocab_size"] for i in infos)),
-            "max_model_len": int(min(i["max_model_len"] for i in infos)),
-            "kv_capacity_tokens": int(min(i["kv_blocks"] * i["block_size"] for i in infos)),
-            "model": infos[0].get("model", ""),
-        }
+        return PoolLimits(
+            model=infos[0].model,
+            vocab_size=min(i.vocab_size for i in infos),
+            max_model_len=min(i.max_model_len for i in infos),
+            kv_capacity_tokens=min(i.kv_capacity_tokens for i in infos),
+        )

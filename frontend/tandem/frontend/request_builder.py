@@ -23,6 +23,7 @@ from tandem.proto_wire import (
     MAX_STOP_SEQUENCE_LEN,
     InvalidRequest,
     Limits,
+    UnknownModel,
     check_prompt_token_ids,
     kv_transfer_from_proto,
     sampling_from_proto,
@@ -74,13 +75,6 @@ class RequestBuilder:
         self.model_names = {served_model_name, *aliases}
         self.max_prompt_bytes = min(MAX_PROMPT_BYTES, limits.max_model_len * tokenizer.max_token_bytes)
 
-    def tokenizer_info(self) -> dict:
-        return {
-            "kind": self.tokenizer.kind,
-            "round_trip_ok": bool(self.tokenizer.probe_passed),
-            "eos_token_ids": list(self.tokenizer.eos_token_ids),
-        }
-
     @staticmethod
     def num_choices(request: frontend_pb2.GenerateRequest) -> int:
         return request.n if request.HasField("n") else 1
@@ -90,7 +84,7 @@ class RequestBuilder:
         if request.model and request.model not in self.model_names:
             shown = request.model[:MAX_ECHOED_MODEL_CHARS]
             more = f"… ({len(request.model)} characters)" if len(request.model) > MAX_ECHOED_MODEL_CHARS else ""
-            raise InvalidRequest("model", f"unknown model {shown!r}{more}; this server serves {self.served_model_name!r}")
+            raise UnknownModel("model", f"unknown model {shown!r}{more}; this server serves {self.served_model_name!r}")
         given = [name for name, present in (
             ("prompt", bool(request.prompt)),
             ("messages", len(request.messages) > 0),

@@ -186,17 +186,6 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             if self.access.is_admin(context):  # internals only for an administrator
                 result.update(pid=os.getpid(), in_flight=len(self.ids),
                               engines={r.address: r.healthy for r in self._all_replicas()})
-        elif cmd == C.UTILITY_COMMAND_MODEL_INFO:
-            pools = self.disaggregated if self.disaggregated is not None else self.pool
-            result = dict(pools.limits_info())
-            if self.disaggregated is not None:
-                result["disaggregated"] = {"prefill": [r.address for r in self.disaggregated.prefill.replicas],
-                                           "decode": [r.address for r in self.disaggregated.decode.replicas]}
-            result["tokenizer"] = self.builder.tokenizer_info()
-            # What a request that sets no sampling field gets (the engine applies these).
-            defaults = self.pool.replicas[0].model_info.get("sampling_defaults") if self.pool.replicas else None
-            if defaults is not None:
-                result["sampling_defaults"] = defaults
         elif cmd == C.UTILITY_COMMAND_ABORT:
             if not request.request_id:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required for ABORT")
@@ -247,10 +236,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         await self._require_builder(context)
         pools = self.disaggregated if self.disaggregated is not None else self.pool
         try:
-            limits = pools.limits_info()
+            limits, reporting = pools.limits_info(), self.pool.reporting_model_info()
         except NoEngineAvailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        reporting = next((r.model_info for r in self.pool.replicas if r.model_info), {})
         return control_plane.model_info(self.builder, limits, reporting)
 
     async def GetServerInfo(self, request, context):
@@ -284,7 +272,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         try:
             ids = await self.tokenize_prompt(prompt)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode[exc.status], str(exc))
         except TokenizerBusy as exc:
             context.set_trailing_metadata((("retry-after", "1"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
@@ -298,7 +286,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             ids = check_prompt_token_ids("token_ids", request.token_ids, self.builder.limits.vocab_size)
             text = await self.detokenize(ids, request.skip_special_tokens)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode[exc.status], str(exc))
         except TokenizerBusy as exc:
             context.set_trailing_metadata((("retry-after", "1"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
@@ -360,7 +348,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             reg = self.ids.register(request.request_id or None, self.builder.num_choices(request),
                                     owner=self.access.caller_identity(context))
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode[exc.status], str(exc))
         except DuplicateRequestId:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {echo(request.request_id)} is in flight")
         except ValueError as exc:
@@ -396,7 +384,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 # No await since registration: an abort cannot have landed yet.
                 return self.builder.prepare(request, reg.external_id, reg.internal_ids)
             except InvalidRequest as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await context.abort(grpc.StatusCode[exc.status], str(exc))
         job = asyncio.ensure_future(self.tokenize_pool.run(self._prepare_with, request, reg.external_id,
                                                            reg.internal_ids))
         aborted = asyncio.ensure_future(active.aborted.wait())
@@ -413,7 +401,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         try:
             return job.result()
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode[exc.status], str(exc))
         except TokenizerBusy as exc:
             context.set_trailing_metadata((("retry-after", "1"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")

@@ -20,7 +20,6 @@ class UtilityCommand(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     UTILITY_COMMAND_UNSPECIFIED: _ClassVar[UtilityCommand]
     UTILITY_COMMAND_HEALTH: _ClassVar[UtilityCommand]
-    UTILITY_COMMAND_MODEL_INFO: _ClassVar[UtilityCommand]
     UTILITY_COMMAND_ABORT: _ClassVar[UtilityCommand]
     UTILITY_COMMAND_STATS: _ClassVar[UtilityCommand]
     UTILITY_COMMAND_FLUSH_PREFIX_CACHE: _ClassVar[UtilityCommand]
@@ -33,7 +32,6 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 UTILITY_COMMAND_UNSPECIFIED: UtilityCommand
 UTILITY_COMMAND_HEALTH: UtilityCommand
-UTILITY_COMMAND_MODEL_INFO: UtilityCommand
 UTILITY_COMMAND_ABORT: UtilityCommand
 UTILITY_COMMAND_STATS: UtilityCommand
 UTILITY_COMMAND_FLUSH_PREFIX_CACHE: UtilityCommand

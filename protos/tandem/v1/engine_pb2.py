@@ -25,25 +25,31 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/engine.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"&\n\x10SubscribeRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\";\n\x0b\x45ngineBatch\x12,\n\tresponses\x18\x01 \x03(\x0b\x32\x19.tandem.v1.EngineResponse\"$\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xf5\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x36\n\x14stop_token_sequences\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenSequence\x12\x37\n\x12kv_transfer_params\x18\x07 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\x12\n\nchannel_id\x18\x06 \x01(\tJ\x04\x08\x05\x10\x06\"\xfe\x02\n\x0e\x45ngineResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12%\n\x08logprobs\x18\x03 \x03(\x0b\x32\x13.tandem.v1.Logprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x12\x1d\n\x13stop_sequence_index\x18\x06 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x0b \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x12\n\nerror_code\x18\x0c \x01(\x05\x42\x0e\n\x0cmatched_stopJ\x04\x08\t\x10\n2\xcf\x02\n\x06\x45ngine\x12?\n\x08Generate\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.EngineResponse\x12?\n\x06Stream\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.EngineResponse0\x01\x12@\n\x07Utility\x12\x19.tandem.v1.UtilityRequest\x1a\x1a.tandem.v1.UtilityResponse\x12\x42\n\tSubscribe\x12\x1b.tandem.v1.SubscribeRequest\x1a\x16.tandem.v1.EngineBatch0\x01\x12=\n\x06Submit\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.SubmitResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/engine.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x18\n\x16\x45ngineModelInfoRequest\"\xb3\x03\n\x0f\x45ngineModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_path\x18\x03 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x03\x12\x12\n\nvocab_size\x18\x06 \x01(\x03\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x11\n\tkv_blocks\x18\n \x01(\x03\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x0c \x01(\x03\x12\x1d\n\x15\x65nable_prefix_caching\x18\r \x01(\x08\x12\x34\n\x11sampling_defaults\x18\x0e \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12 \n\x18sampling_defaults_source\x18\x0f \x01(\t\x12\x34\n\x0bkv_transfer\x18\x10 \x01(\x0b\x32\x1f.tandem.v1.EngineKVTransferInfo\"|\n\x14\x45ngineKVTransferInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x18\n\x10transfer_address\x18\x03 \x01(\t\x12\x12\n\ntransports\x18\x04 \x03(\t\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\"&\n\x10SubscribeRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\";\n\x0b\x45ngineBatch\x12,\n\tresponses\x18\x01 \x03(\x0b\x32\x19.tandem.v1.EngineResponse\"$\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xf5\x01\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x36\n\x14stop_token_sequences\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenSequence\x12\x37\n\x12kv_transfer_params\x18\x07 \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\x12\n\nchannel_id\x18\x06 \x01(\tJ\x04\x08\x05\x10\x06\"\xfe\x02\n\x0e\x45ngineResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12%\n\x08logprobs\x18\x03 \x03(\x0b\x32\x13.tandem.v1.Logprobs\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x12\x1d\n\x13stop_sequence_index\x18\x06 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x37\n\x12kv_transfer_params\x18\x0b \x01(\x0b\x32\x1b.tandem.v1.KVTransferParams\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x12\n\nerror_code\x18\x0c \x01(\x05\x42\x0e\n\x0cmatched_stopJ\x04\x08\t\x10\n2\x9e\x03\n\x06\x45ngine\x12?\n\x08Generate\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.EngineResponse\x12?\n\x06Stream\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.EngineResponse0\x01\x12@\n\x07Utility\x12\x19.tandem.v1.UtilityRequest\x1a\x1a.tandem.v1.UtilityResponse\x12\x42\n\tSubscribe\x12\x1b.tandem.v1.SubscribeRequest\x1a\x16.tandem.v1.EngineBatch0\x01\x12=\n\x06Submit\x12\x18.tandem.v1.EngineRequest\x1a\x19.tandem.v1.SubmitResponse\x12M\n\x0cGetModelInfo\x12!.tandem.v1.EngineModelInfoRequest\x1a\x1a.tandem.v1.EngineModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=61
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=99
-  _globals['_ENGINEBATCH']._serialized_start=101
-  _globals['_ENGINEBATCH']._serialized_end=160
-  _globals['_SUBMITRESPONSE']._serialized_start=162
-  _globals['_SUBMITRESPONSE']._serialized_end=198
-  _globals['_TOKENSEQUENCE']._serialized_start=200
-  _globals['_TOKENSEQUENCE']._serialized_end=234
-  _globals['_ENGINEREQUEST']._serialized_start=237
-  _globals['_ENGINEREQUEST']._serialized_end=482
-  _globals['_ENGINERESPONSE']._serialized_start=485
-  _globals['_ENGINERESPONSE']._serialized_end=867
-  _globals['_ENGINE']._serialized_start=870
-  _globals['_ENGINE']._serialized_end=1205
+  _globals['_ENGINEMODELINFOREQUEST']._serialized_start=61
+  _globals['_ENGINEMODELINFOREQUEST']._serialized_end=85
+  _globals['_ENGINEMODELINFO']._serialized_start=88
+  _globals['_ENGINEMODELINFO']._serialized_end=523
+  _globals['_ENGINEKVTRANSFERINFO']._serialized_start=525
+  _globals['_ENGINEKVTRANSFERINFO']._serialized_end=649
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=651
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=689
+  _globals['_ENGINEBATCH']._serialized_start=691
+  _globals['_ENGINEBATCH']._serialized_end=750
+  _globals['_SUBMITRESPONSE']._serialized_start=752
+  _globals['_SUBMITRESPONSE']._serialized_end=788
+  _globals['_TOKENSEQUENCE']._serialized_start=790
+  _globals['_TOKENSEQUENCE']._serialized_end=824
+  _globals['_ENGINEREQUEST']._serialized_start=827
+  _globals['_ENGINEREQUEST']._serialized_end=1072
+  _globals['_ENGINERESPONSE']._serialized_start=1075
+  _globals['_ENGINERESPONSE']._serialized_end=1457
+  _globals['_ENGINE']._serialized_start=1460
+  _globals['_ENGINE']._serialized_end=1874
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,60 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EngineModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineModelInfo(_message.Message):
+    __slots__ = ("model", "model_path", "tokenizer_path", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "kv_blocks", "block_size", "kv_capacity_tokens", "enable_prefix_caching", "sampling_defaults", "sampling_defaults_source", "kv_transfer")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    model_path: str
+    tokenizer_path: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    device: str
+    kv_blocks: int
+    block_size: int
+    kv_capacity_tokens: int
+    enable_prefix_caching: bool
+    sampling_defaults: _common_pb2.SamplingParams
+    sampling_defaults_source: str
+    kv_transfer: EngineKVTransferInfo
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_path: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sampling_defaults_source: _Optional[str] = ..., kv_transfer: _Optional[_Union[EngineKVTransferInfo, _Mapping]] = ...) -> None: ...
+
+class EngineKVTransferInfo(_message.Message):
+    __slots__ = ("role", "engine_id", "transfer_address", "transports", "lease_seconds")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    engine_id: str
+    transfer_address: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    lease_seconds: float
+    def __init__(self, role: _Optional[str] = ..., engine_id: _Optional[str] = ..., transfer_address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
 class SubscribeRequest(_message.Message):
     __slots__ = ("channel_id",)
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]

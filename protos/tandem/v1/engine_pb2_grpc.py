@@ -6,7 +6,7 @@ import warnings
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 from tandem.v1 import engine_pb2 as tandem_dot_v1_dot_engine__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -60,6 +60,11 @@ class EngineStub:
                 request_serializer=tandem_dot_v1_dot_engine__pb2.EngineRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_engine__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/tandem.v1.Engine/GetModelInfo',
+                request_serializer=tandem_dot_v1_dot_engine__pb2.EngineModelInfoRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_engine__pb2.EngineModelInfo.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -102,6 +107,13 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The served model and this engine's limits, typed (a frontend builds its limits from it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +141,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=tandem_dot_v1_dot_engine__pb2.EngineRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_engine__pb2.SubmitResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=tandem_dot_v1_dot_engine__pb2.EngineModelInfoRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_engine__pb2.EngineModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +283,33 @@ class Engine:
             '/tandem.v1.Engine/Submit',
             tandem_dot_v1_dot_engine__pb2.EngineRequest.SerializeToString,
             tandem_dot_v1_dot_engine__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Engine/GetModelInfo',
+            tandem_dot_v1_dot_engine__pb2.EngineModelInfoRequest.SerializeToString,
+            tandem_dot_v1_dot_engine__pb2.EngineModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

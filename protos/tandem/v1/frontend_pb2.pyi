@@ -108,7 +108,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("served_model_name", "model", "max_context_length", "vocab_size", "eos_token_ids", "sampling_defaults", "sampling_defaults_source", "kv_capacity_tokens", "tokenizer_kind", "has_chat_template", "architecture", "dtype")
+    __slots__ = ("served_model_name", "model", "max_context_length", "vocab_size", "eos_token_ids", "sampling_defaults", "sampling_defaults_source", "kv_capacity_tokens", "tokenizer_kind", "has_chat_template", "architecture", "dtype", "tokenizer_round_trip_ok")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class GetModelInfoResponse(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_ROUND_TRIP_OK_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     model: str
     max_context_length: int
@@ -133,7 +134,8 @@ class GetModelInfoResponse(_message.Message):
     has_chat_template: bool
     architecture: str
     dtype: str
-    def __init__(self, served_model_name: _Optional[str] = ..., model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sampling_defaults: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sampling_defaults_source: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., tokenizer_kind: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    tokenizer_round_trip_ok: bool
+    def __init__(self, served_model_name: _Optional[str] = ..., model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., sampling_defaults: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., sampling_defaults_source: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., tokenizer_kind: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., tokenizer_round_trip_ok: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -22,6 +22,7 @@ from tandem.cli_options import EngineCoreArgs, EngineMetricsArgs, EngineServerAr
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.api.core_client import CoreClient
 from tandem.engine_service.api.metrics import EngineMetrics
+from tandem.engine_service.api.model_info import engine_model_info
 from tandem.engine_service.api.server import SERVICE_NAME, EngineServicer
 from tandem.generation_defaults import load_generation_defaults
 from tandem.grpc_service import add_service, enable_reflection
@@ -136,7 +137,7 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
         sampling_defaults=defaults,
     )
     effective = defaults.effective(options.default_max_tokens)
-    servicer.attach(core, limits, {**info.model_info(), "sampling_defaults": effective})
+    servicer.attach(core, limits, engine_model_info(info, effective))
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info("engine_ready", kv_blocks=info.kv_blocks, max_model_len=info.max_model_len,
              engine_core=options.engine_core, sampling_defaults=effective)

@@ -63,11 +63,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # engine once the model is loaded. Until then every call gets UNAVAILABLE.
         self.engine: CoreClient | None = None
         self.limits: Limits | None = None
-        self.model_info: dict = {}
+        self.model_info: engine_pb2.EngineModelInfo | None = None
         # Multiplexed requests in flight: request_id -> (its EngineRequest, first message pending).
         self._mux_requests: dict[str, tuple[engine_pb2.EngineRequest, bool]] = {}
 
-    def attach(self, engine: CoreClient, limits: Limits, model_info: dict) -> None:
+    def attach(self, engine: CoreClient, limits: Limits, model_info: engine_pb2.EngineModelInfo) -> None:
         self.engine = engine
         self.limits = limits
         self.model_info = model_info
@@ -231,14 +231,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if cmd == C.UTILITY_COMMAND_HEALTH:
             ok = self.engine.alive and self.engine.accepting
             result = {"status": "SERVING" if ok else "NOT_SERVING", "in_flight": self.engine.num_in_flight}
-        elif cmd == C.UTILITY_COMMAND_MODEL_INFO:
-            result = dict(self.model_info)
         elif cmd == C.UTILITY_COMMAND_ABORT:
             if not request.request_id:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required for ABORT")
             if self.engine.abort(request.request_id):
                 result = {"aborted": request.request_id}
-            elif (self.model_info.get("kv_transfer") or {}).get("role") in ("producer", "both"):
+            elif self.model_info.kv_transfer.role in ("producer", "both"):
                 # A finished prefill leg may still hold its blocks under a lease: the abort
                 # releases it (the frontend's way to free a lease no decode leg will take).
                 self.engine.release_lease(request.request_id)
@@ -263,6 +261,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             return await self.engine.utility(command)
         except EngineUnavailableError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def GetModelInfo(self, request, context):
+        await reject_malformed(request, context)
+        await self._require_engine(context)
+        return self.model_info
 
     # -- responses -----------------------------------------------------------------------------------
     def _response(self, request, outputs: list[RequestOutput], first: bool) -> engine_pb2.EngineResponse:

@@ -1,5 +1,5 @@
 """Builds one engine's KV connector from its `KVTransferConfig`: the scheduler side, the worker
-side (consumers) and the pull server (producers), and reports what it offers (MODEL_INFO)."""
+side (consumers) and the pull server (producers), and reports what it offers (GetModelInfo's `kv_transfer`)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class KVConnector:
     transports: tuple[str, ...]
 
     def info(self) -> dict[str, Any]:
-        """The engine's KV transfer role as MODEL_INFO / server info report it."""
+        """The engine's KV transfer role as GetModelInfo and GetServerInfo report it."""
         address = f"{self.server.host}:{self.server.port}" if self.server is not None else None
         return {"role": self.config.role, "engine_id": self.engine_id, "transfer_address": address,
                 "transports": list(self.transports), "lease_seconds": self.config.lease_seconds}
