@@ -5,6 +5,7 @@ streamed with usage at the end, OpenAI-shaped errors, and the bearer token on HT
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -101,9 +102,12 @@ def test_bad_request_gets_an_openai_error(oai):
     err = info.value.body
     assert err["type"] == "invalid_request_error" and "temperature" in err["message"]
     assert err["param"] == "temperature"
-    with pytest.raises(openai.BadRequestError) as info:
+    # An unknown model is 404, as OpenAI and vLLM answer it (a gateway can tell it from a bad field).
+    with pytest.raises(openai.NotFoundError) as info:
         oai.chat.completions.create(model="no-such-model", messages=QUESTION, max_tokens=4)
-    assert info.value.body["param"] == "model"
+    assert info.value.status_code == 404
+    assert info.value.body["param"] == "model" and info.value.body["type"] == "not_found_error"
+    assert "no-such-model" in info.value.body["message"]
 
 
 def test_bearer_token_applies_to_http(http_serve):
@@ -148,7 +152,7 @@ def test_typed_control_plane_over_grpc_matches_http(http_serve):
         assert text.text == "The capital of France"
         with pytest.raises(grpc.RpcError) as info:
             stub.Tokenize(frontend_pb2.TokenizeRequest(prompt="x", model="other"), metadata=auth, timeout=10)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
         loads = stub.GetLoads(frontend_pb2.GetLoadsRequest(), metadata=auth, timeout=10)
         server = stub.GetServerInfo(frontend_pb2.GetServerInfoRequest(), metadata=auth, timeout=10)
         assert [r.address for r in loads.replicas] == [e.address for e in server.engines]
@@ -216,3 +220,57 @@ def test_cache_salts_do_not_share_cached_prompt_blocks(oai):
     assert cached("tenant-a") == 0
     assert cached("tenant-a") > 100  # the same salt reuses the prompt's blocks
     assert cached("tenant-b") == 0  # another salt: the same prompt hits nothing
+
+
+def test_a_batch_of_prompts_answers_each_as_its_own_request(oai, http_serve):
+    """OpenAI's batch form of /v1/completions (a list of prompts, as evaluation harnesses send):
+    prompt i's choice j is choice i * n + j with the text that prompt alone gets, usage summed,
+    streamed too; one bad prompt refuses the whole call."""
+    prompts = ["The capital of France is", "One, two, three,"]
+    alone = [oai.completions.create(model=SERVED, prompt=p, max_tokens=5, temperature=0) for p in prompts]
+    batch = oai.completions.create(model=SERVED, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 4 * 5
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in oai.completions.create(model=SERVED, prompt=prompts, max_tokens=5, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert texts == {i: a.choices[0].text for i, a in enumerate(alone)}
+    assert usage.completion_tokens == 10 and usage.prompt_tokens == batch.usage.prompt_tokens
+    ids = oai.completions.create(model=SERVED, prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0,
+                                 extra_body={"return_token_ids": True})
+    assert [c.model_extra["prompt_token_ids"] for c in ids.choices] == [[1, 2, 3], [4, 5]]
+    one = oai.completions.create(model=SERVED, prompt=[1, 2, 3], max_tokens=2, temperature=0,
+                                 extra_body={"return_token_ids": True})  # on the choice, as vLLM's
+    assert one.choices[0].model_extra["prompt_token_ids"] == [1, 2, 3] and "prompt_token_ids" not in one.model_extra
+    for stream in (False, True):  # the second prompt is out of the vocabulary: 400, the first one cancelled
+        status, error = _post(http_serve["base"] + "/v1/completions",
+                              {"model": SERVED, "prompt": ["fine", [10 ** 8]], "max_tokens": 2000, "ignore_eos": True,
+                               "stream": stream})
+        assert status == 400 and error["error"]["param"] == "prompt_token_ids", error
+    # A client that hangs up mid-stream of a batch: every prompt's request ends too.
+    body = {"model": SERVED, "prompt": ["a", "b", "c"], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(http_serve["base"] + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.readline().startswith(b"data: ")  # streaming: then the connection closes
+    import grpc
+
+    from tandem.v1 import frontend_pb2, frontend_pb2_grpc
+
+    with grpc.insecure_channel(http_serve["frontend"]) as channel:
+        stub = frontend_pb2_grpc.FrontendStub(channel)
+        deadline = time.monotonic() + 10
+        while True:  # the refused and abandoned calls' prompts leave at once (2000 tokens would take minutes)
+            loads = stub.GetLoads(frontend_pb2.GetLoadsRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),),
+                                  timeout=10)
+            busy = sum(r.num_running + r.num_waiting + r.in_flight for r in loads.replicas)
+            if busy == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert busy == 0

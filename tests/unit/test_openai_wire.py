@@ -12,6 +12,12 @@ from tandem.security import bearer_denial
 from tandem.v1 import common_pb2, frontend_pb2
 
 
+def completion(body: dict) -> frontend_pb2.GenerateRequest:
+    """The one request of a single-prompt /v1/completions body."""
+    (req,) = openai_wire.completion_requests(body)
+    return req
+
+
 def test_chat_body_maps_onto_generate_request():
     req = openai_wire.chat_request({
         "model": "m", "messages": [{"role": "developer", "content": "be brief"},
@@ -51,13 +57,49 @@ def test_chat_shape_errors_name_their_field(body, field):
 
 
 def test_completion_prompt_forms():
-    assert openai_wire.completion_request({"prompt": "hi"}).prompt == "hi"
-    assert list(openai_wire.completion_request({"prompt": [1, 2]}).prompt_token_ids) == [1, 2]
-    assert openai_wire.completion_request({"prompt": ["one"]}).prompt == "one"
-    assert openai_wire.completion_request({"prompt": "x", "logprobs": 0}).sampling.HasField("logprobs")
-    for bad in ({"prompt": ["a", "b"]}, {"prompt": 3}, {}, {"prompt": "x", "echo": True}):
-        with pytest.raises(InvalidRequest):
-            openai_wire.completion_request(bad)
+    assert completion({"prompt": "hi"}).prompt == "hi"
+    assert list(completion({"prompt": [1, 2]}).prompt_token_ids) == [1, 2]
+    assert completion({"prompt": ["one"]}).prompt == "one"
+    assert completion({"prompt": "x", "logprobs": 0}).sampling.HasField("logprobs")
+    for bad in ({"prompt": 3}, {}, {"prompt": []}, {"prompt": ["a", 3]}, {"prompt": [[1], []]},
+                {"prompt": "x", "echo": True}, {"prompt": "x", "suffix": "!"}):
+        with pytest.raises(InvalidRequest) as info:
+            openai_wire.completion_requests(bad)
+        assert info.value.field in ("prompt", "echo", "suffix")
+
+
+def test_a_batch_of_prompts_is_one_request_per_prompt_with_the_same_fields():
+    reqs = openai_wire.completion_requests({"prompt": ["a", [5, 6], "c"], "n": 2, "max_tokens": 3, "seed": 9,
+                                            "logprobs": 1, "stop": ["."]})
+    assert [r.prompt for r in reqs] == ["a", "", "c"] and list(reqs[1].prompt_token_ids) == [5, 6]
+    for r in reqs:
+        assert (r.n, r.sampling.max_tokens, r.sampling.seed, r.sampling.logprobs, list(r.stop)) == (2, 3, 9, 1, ["."])
+    limit = openai_wire.MAX_BATCH_PROMPTS
+    assert len(openai_wire.completion_requests({"prompt": ["p"] * limit})) == limit
+    for bad, field in (({"prompt": ["p"] * (limit + 1)}, "prompt"),
+                       ({"prompt": ["p"] * 17, "n": 16}, "n")):  # 272 choices > MAX_BATCH_CHOICES
+        with pytest.raises(InvalidRequest) as info:
+            openai_wire.completion_requests(bad)
+        assert info.value.field == field
+
+
+def test_a_batch_reply_numbers_choices_by_prompt_and_sums_usage():
+    def body(text, prompt_ids, tokens):
+        return {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m",
+                "choices": [{"index": j, "text": f"{text}{j}", "finish_reason": "length", "logprobs": None,
+                             "prompt_token_ids": prompt_ids} for j in range(2)],
+                "usage": {"prompt_tokens": tokens}}
+    usage = openai_wire.total_usage([common_pb2.Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7,
+                                                      cached_prompt_tokens=1),
+                                     common_pb2.Usage(prompt_tokens=2, completion_tokens=4, total_tokens=6)])
+    merged = openai_wire.merge_completion_bodies([body("a", [1, 2, 3], 3), body("b", [4, 5], 2)], 2, usage)
+    assert [(c["index"], c["text"], c["prompt_token_ids"]) for c in merged["choices"]] == [
+        (0, "a0", [1, 2, 3]), (1, "a1", [1, 2, 3]), (2, "b0", [4, 5]), (3, "b1", [4, 5])]
+    assert merged["id"] == "cmpl-x"
+    assert merged["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13,
+                               "prompt_tokens_details": {"cached_tokens": 1}}
+    single = body("a", [1], 1)
+    assert openai_wire.merge_completion_bodies([single], 2, usage) is single  # one prompt: as it was
 
 
 def test_http_error_shape_and_status():
@@ -82,11 +124,21 @@ def _stream_msg(deltas, usage=None):
 def test_stream_translator_chat_chunks_with_usage_last():
     t = openai_wire.StreamTranslator(chat=True, model="", created=1, include_usage=True)
     first = t.chunks(_stream_msg([(0, "Par", 0)]))
+    assert t.usage is None
     last = t.chunks(_stream_msg([(0, "is", common_pb2.FINISH_REASON_STOP)], usage=True))
     assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Par"}
     assert first[0]["usage"] is None and first[0]["id"] == "chatcmpl-r1"
-    assert last[0]["choices"][0]["delta"] == {"content": "is"} and last[0]["choices"][0]["finish_reason"] == "stop"
-    assert last[1]["choices"] == [] and last[1]["usage"]["total_tokens"] == 6
+    assert len(last) == 1 and last[0]["choices"][0]["delta"] == {"content": "is"}
+    assert last[0]["choices"][0]["finish_reason"] == "stop" and t.usage.total_tokens == 6
+    closing = t.usage_chunk(t.usage)  # the caller's, once every request of the call has ended
+    assert closing["choices"] == [] and closing["usage"]["total_tokens"] == 6 and closing["id"] == "chatcmpl-r1"
+
+
+def test_stream_translator_numbers_a_batch_prompts_choices_after_the_earlier_prompts():
+    for chat in (True, False):
+        t = openai_wire.StreamTranslator(chat=chat, model="m", created=1, include_usage=False, index_offset=4)
+        out = t.chunks(_stream_msg([(0, "x", 0), (1, "y", 0)]))
+        assert [c["choices"][0]["index"] for c in out] == [4, 5]
 
 
 def test_stream_translator_without_usage_has_no_usage_key():
@@ -109,14 +161,42 @@ def test_logit_bias_maps_onto_the_sampling_map():
     assert dict(req.sampling.logit_bias) == {42: -100.0, 7: 2.5}
     for bad in ({"x": 1}, {"1": "high"}, [1], {str(2**40): 1}):
         with pytest.raises(InvalidRequest) as info:
-            openai_wire.completion_request({"prompt": "x", "logit_bias": bad})
+            completion({"prompt": "x", "logit_bias": bad})
         assert info.value.field == "logit_bias"
 
 
 def test_priority_and_cache_salt_map_onto_sampling():
-    req = openai_wire.completion_request({"prompt": "x", "priority": -2, "cache_salt": "t1"})
+    req = completion({"prompt": "x", "priority": -2, "cache_salt": "t1"})
     assert req.sampling.priority == -2 and req.sampling.HasField("priority") and req.sampling.cache_salt == "t1"
     for bad in ({"priority": 2**40}, {"priority": "high"}, {"cache_salt": 5}):
         with pytest.raises(InvalidRequest) as info:
-            openai_wire.completion_request({"prompt": "x", **bad})
+            completion({"prompt": "x", **bad})
         assert info.value.field == next(iter(bad))
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "top_k", "min_tokens", "n",
+                                   "truncate_prompt_tokens", "logprobs", "priority", "seed"])
+def test_integers_wider_than_their_proto_field_are_refused_naming_it(field):
+    """JSON integers are unbounded; each goes to an int32 (seed: int64) field, whose setter would
+    raise (an HTTP 500 before). Values that fit pass through to the range checks after."""
+    bits = 64 if field == "seed" else 32
+    for bad in (2 ** (bits - 1), -2 ** (bits - 1) - 1, 2 ** 70):
+        with pytest.raises(InvalidRequest) as info:
+            completion({"prompt": "x", field: bad})
+        assert info.value.field == field and f"{bits}-bit" in str(info.value)
+    req = completion({"prompt": "x", field: 2 ** (bits - 1) - 1})
+    got = getattr(req, field) if field in ("n", "truncate_prompt_tokens") else getattr(
+        req.sampling, "max_tokens" if field == "max_completion_tokens" else field)
+    assert got == 2 ** (bits - 1) - 1
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2 ** 40}
+    with pytest.raises(InvalidRequest) as info:
+        openai_wire.chat_request(chat)
+    assert info.value.field == "top_logprobs"
+
+
+def test_token_ids_wider_than_int32_are_refused_naming_the_field():
+    for body, field in (({"prompt": [1, 2 ** 40]}, "prompt"), ({"prompt": [-1 - 2 ** 31]}, "prompt"),
+                        ({"prompt": "x", "stop_token_ids": [2 ** 31]}, "stop_token_ids")):
+        with pytest.raises(InvalidRequest) as info:
+            completion(body)
+        assert info.value.field == field

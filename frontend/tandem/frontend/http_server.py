@@ -4,9 +4,9 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (SSE when `stream
 with `stream_options.include_usage`), `GET /v1/models`, `POST /tokenize`, `POST /detokenize`
 and `GET /health`.
 
-One pipeline: a body becomes a `GenerateRequest` (`openai_wire`) and runs through the gRPC
-servicer's own `Generate` / `Stream` with an `HttpCallContext` standing in for the gRPC call
-context, so validation, request IDs, tokenization, fan-out, Utility ABORT (by the
+One pipeline: a body becomes a `GenerateRequest` (`openai_wire`; one per prompt of a
+`/v1/completions` batch, run together and merged) and runs through the gRPC servicer's own
+`Generate` / `Stream` with an `HttpCallContext` standing in for the gRPC call context, so validation, request IDs, tokenization, fan-out, Utility ABORT (by the
 `X-Request-Id` the client sent, or the one the reply's `id` carries), metrics and request
 logs are those of gRPC. A servicer abort becomes OpenAI's error object with the matching HTTP
 status (`openai_wire.http_error`); an error after an SSE stream has started is sent as a
@@ -18,6 +18,8 @@ exempt from tokens as grpc.health.v1 is (probes cannot send one).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 
@@ -26,6 +28,7 @@ import structlog
 from aiohttp import web
 
 from tandem.frontend import openai_wire
+from tandem.frontend.request_builder import RequestBuilder
 from tandem.frontend.server import FrontendServicer
 from tandem.frontend.tokenize_pool import TokenizerBusy
 from tandem.proto_wire import InvalidRequest, check_prompt_token_ids
@@ -95,6 +98,72 @@ def _sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+async def _all_or_first_refusal(coros: list) -> list | web.Response:
+    """Runs `coros` together: their results in order, or the first `web.Response` one returns (a
+    refusal), the others cancelled then. One runs on its own, without a task."""
+    if len(coros) == 1:
+        result = await coros[0]
+        return result if isinstance(result, web.Response) else [result]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        for done in asyncio.as_completed(tasks):
+            result = await done
+            if isinstance(result, web.Response):
+                return result
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _first_message(messages, ctx: HttpCallContext):
+    """A stream's first message, or the error response of a request refused before it."""
+    try:
+        return await messages.__anext__()
+    except grpc.aio.AbortError:
+        return _context_error(ctx)
+
+
+async def _interleave(streams: list, firsts: list):
+    """`(i, message)` of every stream as messages come, each stream's `firsts[i]` (read already)
+    first; a stream's `grpc.aio.AbortError` ends them all and is raised. One stream is read
+    directly."""
+    if len(streams) == 1:
+        yield 0, firsts[0]
+        async for msg in streams[0]:
+            yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, first in enumerate(firsts):
+        queue.put_nowait((i, first, None))
+
+    async def pump(i: int) -> None:
+        try:
+            async for msg in streams[i]:
+                await queue.put((i, msg, None))
+        except grpc.aio.AbortError as exc:
+            await queue.put((i, None, exc))
+            return
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    try:
+        running = len(streams)
+        while running:
+            i, msg, error = await queue.get()
+            if error is not None:
+                raise error
+            if msg is None:
+                running -= 1
+            else:
+                yield i, msg
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class OpenAIHttpApp:
     """The aiohttp application over one `FrontendServicer`."""
 
@@ -149,50 +218,77 @@ class OpenAIHttpApp:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await self._json(request)
-            req = openai_wire.chat_request(body) if chat else openai_wire.completion_request(body)
+            reqs = [openai_wire.chat_request(body)] if chat else openai_wire.completion_requests(body)
         except InvalidRequest as exc:
-            return _error(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return _error(grpc.StatusCode[exc.status], str(exc))
         request_id = request.headers.get("X-Request-Id")
         if request_id:
-            req.request_id = request_id
-        ctx = HttpCallContext(request)
+            for i, req in enumerate(reqs):  # a batch's prompts are requests of their own: `<id>-<i>`
+                req.request_id = request_id if len(reqs) == 1 else f"{request_id}-{i}"
         created = int(time.time())
-        if not body.get("stream"):
-            try:
-                msg = await self.servicer.Generate(req, ctx)
-            except grpc.aio.AbortError:
-                return _context_error(ctx)
-            reply = openai_wire.chat_response(msg, created) if chat else openai_wire.completion_response(msg, created)
-            return web.json_response(reply)
-        return await self._stream(request, req, ctx, body, chat, created)
+        if body.get("stream"):
+            return await self._stream(request, reqs, body, chat, created)
+        replies = await _all_or_first_refusal([self._reply(request, req, chat, created) for req in reqs])
+        if isinstance(replies, web.Response):
+            return replies
+        if chat:
+            return web.json_response(replies[0][0])
+        n = RequestBuilder.num_choices(reqs[0])
+        usage = openai_wire.total_usage(u for _, u in replies)
+        return web.json_response(openai_wire.merge_completion_bodies([b for b, _ in replies], n, usage))
 
-    async def _stream(self, request, req, ctx: HttpCallContext, body: dict, chat: bool, created: int):
-        translator = openai_wire.StreamTranslator(chat, req.model, created, openai_wire.wants_usage_in_stream(body))
-        messages = self.servicer.Stream(req, ctx)
+    async def _reply(self, request: web.Request, req, chat: bool, created: int):
+        """One request's whole reply as OpenAI's JSON and its usage, or the error response that
+        refused it."""
+        ctx = HttpCallContext(request)
         try:
-            # The first message before the headers: a request refused before generating gets
-            # its HTTP status rather than a 200 stream with an error event.
-            try:
-                msg = await messages.__anext__()
-            except grpc.aio.AbortError:
-                return _context_error(ctx)
+            msg = await self.servicer.Generate(req, ctx)
+        except grpc.aio.AbortError:
+            return _context_error(ctx)
+        reply = openai_wire.chat_response(msg, created) if chat else openai_wire.completion_response(msg, created)
+        return reply, msg.usage
+
+    async def _stream(self, request, reqs: list, body: dict, chat: bool, created: int):
+        """SSE over the call's requests (several for a batch of prompts), their chunks in the
+        order they come; choice indices and the closing usage are the call's."""
+        n = RequestBuilder.num_choices(reqs[0])
+        translators = [openai_wire.StreamTranslator(chat, req.model, created, openai_wire.wants_usage_in_stream(body),
+                                                    i * n)
+                       for i, req in enumerate(reqs)]
+        contexts = [HttpCallContext(request) for _ in reqs]
+        streams = [self.servicer.Stream(req, ctx) for req, ctx in zip(reqs, contexts)]
+        try:
+            # Every request's first message before the headers: a request refused before generating
+            # gets its HTTP status rather than a 200 stream with an error event.
+            firsts = await _all_or_first_refusal([_first_message(s, ctx) for s, ctx in zip(streams, contexts)])
+            if isinstance(firsts, web.Response):
+                return firsts
+            for translator in translators:  # one id for the call's chunks: the first request's
+                translator.request_id = firsts[0].request_id
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
+            failed = None
             try:
-                while True:
-                    for chunk in translator.chunks(msg):
-                        await response.write(_sse(chunk))
-                    msg = await messages.__anext__()
-            except StopAsyncIteration:
-                pass
+                # Closed on every way out (a client gone mid-write too): its readers stop before
+                # the streams they read are closed below.
+                async with contextlib.aclosing(_interleave(streams, firsts)) as messages:
+                    async for i, msg in messages:
+                        for chunk in translators[i].chunks(msg):
+                            await response.write(_sse(chunk))
             except grpc.aio.AbortError:
-                await response.write(_sse(openai_wire.http_error(ctx.code() or grpc.StatusCode.UNKNOWN,
-                                                                 ctx.details())[1]))
+                failed = next((ctx for ctx in contexts if ctx.code() is not None), contexts[0])
+            if failed is not None:
+                await response.write(_sse(openai_wire.http_error(failed.code() or grpc.StatusCode.UNKNOWN,
+                                                                 failed.details())[1]))
+            elif translators[0].include_usage:
+                usage = openai_wire.total_usage(t.usage for t in translators if t.usage is not None)
+                await response.write(_sse(translators[0].usage_chunk(usage)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
         finally:
-            await messages.aclose()  # a client gone mid-stream: the servicer ends the engine calls
+            for stream in streams:
+                await stream.aclose()  # a client gone mid-stream: the servicer ends the engine calls
 
     # -- everything else -------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -213,7 +309,7 @@ class OpenAIHttpApp:
             req = openai_wire.tokenize_request(await self._json(request))
             ids = await self.servicer.tokenize_prompt(req)
         except InvalidRequest as exc:
-            return _error(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return _error(grpc.StatusCode[exc.status], str(exc))
         except TokenizerBusy as exc:
             return _error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later", {"Retry-After": "1"})
         return web.json_response({"count": len(ids), "max_model_len": self.servicer.builder.limits.max_model_len,
@@ -229,7 +325,7 @@ class OpenAIHttpApp:
             check_prompt_token_ids("tokens", ids, builder.limits.vocab_size)
             text = await self.servicer.detokenize(ids)
         except InvalidRequest as exc:
-            return _error(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return _error(grpc.StatusCode[exc.status], str(exc))
         except TokenizerBusy as exc:
             return _error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later", {"Retry-After": "1"})
         return web.json_response({"prompt": text})

@@ -9,17 +9,30 @@ Fields outside OpenAI's schema that vLLM also accepts (`top_k`, `min_p`, `repeti
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`,
 `add_generation_prompt`, `return_token_ids`, `truncate_prompt_tokens`, `cache_salt`, `priority`) map onto
 the matching protobuf fields (`logit_bias` too); other unknown fields are ignored, as
-OpenAI-compatible servers do. Features Tandem does not implement
-(tools, structured `response_format`, `echo`, `suffix`, `best_of` > n, several prompts per
-call) are refused with 400 rather than silently ignored.
+OpenAI-compatible servers do. A JSON integer that does not fit the proto field it goes to
+(int32; `seed` int64) is refused naming the field. Features Tandem does not implement (tools,
+structured `response_format`, `echo`, `suffix`, `best_of` > n) are refused with 400 rather than
+silently ignored.
+
+`/v1/completions` takes OpenAI's batch form too: `prompt` a list of strings or of token-id lists
+(`completion_requests`: one GenerateRequest per prompt, at most `MAX_BATCH_PROMPTS`). Prompt i's
+choice j is choice `i * n + j` of the reply (`merge_completion_bodies`, `StreamTranslator`'s
+`index_offset`), whose usage is the prompts' summed. With `return_token_ids`, each choice carries
+its prompt's `prompt_token_ids` (vLLM's completions shape; a chat reply has them at the top level).
 """
 
 from __future__ import annotations
 
 import grpc
 
+from tandem.frontend.request_builder import RequestBuilder
 from tandem.proto_wire import InvalidRequest
 from tandem.v1 import common_pb2, frontend_pb2
+
+# Prompts one /v1/completions call may batch, and choices in all (prompts x n): each prompt is a
+# request of its own (registered, tokenized, scheduled), so a call's work stays bounded.
+MAX_BATCH_PROMPTS = 64
+MAX_BATCH_CHOICES = 256
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -49,10 +62,11 @@ _HTTP_ERRORS = {
 def http_error(code: grpc.StatusCode, message: str) -> tuple[int, dict]:
     """The HTTP status and OpenAI error body of a call that ended with gRPC `code`.
 
-    `param` is the field an `InvalidRequest` message names (its text before the first ': ')."""
+    `param` is the field an `InvalidRequest` message names (its text before the first ': '; 400,
+    and 404 for an unknown model)."""
     status, kind = _HTTP_ERRORS.get(code, (500, "server_error"))
     param = None
-    if status == 400:
+    if status in (400, 404):
         head, sep, _ = message.partition(": ")
         if sep and head and " " not in head:
             param = head
@@ -71,8 +85,18 @@ def _typed(body: dict, name: str, kinds: tuple, what: str):
     return value
 
 
-def _int(body, name):
-    return _typed(body, name, (int,), "an integer")
+def _fits(value: int, bits: int = 32) -> bool:
+    """Whether a JSON integer fits a signed proto field of `bits` (protobuf's setter raises otherwise)."""
+    return -2 ** (bits - 1) <= value < 2 ** (bits - 1)
+
+
+def _int(body, name, bits: int = 32):
+    """An integer that fits the proto field it goes to (int32 unless `bits` says int64): a larger
+    one is refused here, naming the field, rather than failing in protobuf's setter."""
+    value = _typed(body, name, (int,), "an integer")
+    if value is not None and not _fits(value, bits):
+        raise InvalidRequest(name, f"must fit a {bits}-bit integer")
+    return value
 
 
 def _num(body, name):
@@ -98,9 +122,9 @@ def _common(body: dict, req: frontend_pb2.GenerateRequest) -> None:
             raise InvalidRequest("model", "must be a string")
         req.model = model
     s = req.sampling
-    for name, target in (("max_tokens", "max_tokens"), ("max_completion_tokens", "max_tokens"), ("top_k", "top_k"),
-                         ("seed", "seed"), ("min_tokens", "min_tokens")):
-        value = _int(body, name)
+    for name, target, bits in (("max_tokens", "max_tokens", 32), ("max_completion_tokens", "max_tokens", 32),
+                               ("top_k", "top_k", 32), ("seed", "seed", 64), ("min_tokens", "min_tokens", 32)):
+        value = _int(body, name, bits)
         if value is not None:
             setattr(s, target, value)
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -124,6 +148,8 @@ def _common(body: dict, req: frontend_pb2.GenerateRequest) -> None:
     if ids is not None:
         if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
             raise InvalidRequest("stop_token_ids", "must be a list of integers")
+        if not all(_fits(x) for x in ids):
+            raise InvalidRequest("stop_token_ids", "each must fit a 32-bit integer")
         s.stop_token_ids.extend(ids)
     for name, target in (("ignore_eos", s), ("skip_special_tokens", req), ("include_stop_str_in_output", req)):
         value = _bool(body, name)
@@ -142,15 +168,13 @@ def _common(body: dict, req: frontend_pb2.GenerateRequest) -> None:
                 token = int(key)
             except ValueError:
                 raise InvalidRequest("logit_bias", f"key {key!r} is not a token id") from None
-            if not -2**31 <= token < 2**31:
+            if not _fits(token):
                 raise InvalidRequest("logit_bias", f"token id {token} is outside the vocabulary")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidRequest("logit_bias", f"the bias of token {key} must be a number")
             s.logit_bias[token] = value
     priority = _int(body, "priority")
     if priority is not None:
-        if not -2**31 <= priority < 2**31:
-            raise InvalidRequest("priority", "must fit a 32-bit integer")
         s.priority = priority
     salt = _typed(body, "cache_salt", (str,), "a string")
     if salt is not None:
@@ -168,27 +192,55 @@ def wants_usage_in_stream(body: dict) -> bool:
     return bool(options.get("include_usage"))
 
 
-def completion_request(body: dict) -> frontend_pb2.GenerateRequest:
-    """`POST /v1/completions` as a GenerateRequest."""
-    req = frontend_pb2.GenerateRequest()
-    _common(body, req)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                           for x in value)
+
+
+def _token_ids(value: list[int]) -> list[int]:
+    outside = next((x for x in value if x < 0 or not _fits(x)), None)
+    if outside is not None:  # the vocabulary's bound is checked later; this one keeps protobuf's
+        raise InvalidRequest("prompt", f"token id {outside} is outside the vocabulary")
+    return value
+
+
+def _prompts(prompt) -> list:
+    """OpenAI's `prompt`: a string, a list of token ids, or a batch (a list of those)."""
     if isinstance(prompt, str):
-        req.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
-        req.prompt_token_ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise InvalidRequest("prompt", "one prompt per request (send several requests)")
-    else:
-        raise InvalidRequest("prompt", "must be a string or a list of token ids")
+        return [prompt]
+    if _is_token_ids(prompt):
+        return [_token_ids(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(x, str) or _is_token_ids(x) for x in prompt):
+        if len(prompt) > MAX_BATCH_PROMPTS:
+            raise InvalidRequest("prompt", f"at most {MAX_BATCH_PROMPTS} prompts per call (got {len(prompt)})")
+        return [x if isinstance(x, str) else _token_ids(x) for x in prompt]
+    raise InvalidRequest("prompt", "must be a string, a list of token ids, or a list of those (a batch)")
+
+
+def completion_requests(body: dict) -> list[frontend_pb2.GenerateRequest]:
+    """`POST /v1/completions` as one GenerateRequest per prompt (one, unless `prompt` is a batch),
+    every other field the same."""
+    base = frontend_pb2.GenerateRequest()
+    _common(body, base)
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) > 1 and len(prompts) * RequestBuilder.num_choices(base) > MAX_BATCH_CHOICES:
+        raise InvalidRequest("n", f"a batch of {len(prompts)} prompts with n={base.n} asks for more than "
+                                  f"{MAX_BATCH_CHOICES} choices in all")
     logprobs = _int(body, "logprobs")
     if logprobs is not None:
-        req.sampling.logprobs = logprobs
+        base.sampling.logprobs = logprobs
     _refuse(body, "echo")
     _refuse(body, "suffix", (None, ""))
-    return req
+    requests = []
+    for prompt in prompts:
+        req = frontend_pb2.GenerateRequest()
+        req.CopyFrom(base)
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_token_ids.extend(prompt)
+        requests.append(req)
+    return requests
 
 
 def _message_text(i: int, content) -> str:
@@ -235,6 +287,17 @@ def chat_request(body: dict) -> frontend_pb2.GenerateRequest:
 
 
 # -- replies ---------------------------------------------------------------------------------------
+def total_usage(usages) -> common_pb2.Usage:
+    """The usage of a batch's calls together (their fields summed)."""
+    total = common_pb2.Usage()
+    for u in usages:
+        total.prompt_tokens += u.prompt_tokens
+        total.completion_tokens += u.completion_tokens
+        total.cached_prompt_tokens += u.cached_prompt_tokens
+        total.total_tokens += u.total_tokens
+    return total
+
+
 def usage_json(usage: common_pb2.Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
@@ -282,16 +345,25 @@ def completion_response(msg: frontend_pb2.GenerateResponse, created: int) -> dic
     for c in msg.choices:
         choice = {"index": c.index, "text": c.text, "finish_reason": FINISH_REASONS.get(c.finish_reason),
                   "logprobs": completion_logprobs(c.logprobs) if c.logprobs else None}
+        if msg.prompt_token_ids:
+            choice["prompt_token_ids"] = list(msg.prompt_token_ids)  # on the choice, as vLLM's completions
         if c.HasField("stop_str"):
             choice["stop_reason"] = c.stop_str
         elif c.HasField("stop_token_id"):
             choice["stop_reason"] = c.stop_token_id
         choices.append(choice)
-    body = {"id": f"cmpl-{msg.request_id}", "object": "text_completion", "created": created,
+    return {"id": f"cmpl-{msg.request_id}", "object": "text_completion", "created": created,
             "model": msg.model, "choices": choices, "usage": usage_json(msg.usage)}
-    if msg.prompt_token_ids:
-        body["prompt_token_ids"] = list(msg.prompt_token_ids)
-    return body
+
+
+def merge_completion_bodies(bodies: list[dict], n: int, usage: common_pb2.Usage) -> dict:
+    """The /v1/completions reply to a batch, from each prompt's reply in order: prompt i's choice
+    j becomes choice `i * n + j` and `usage` (the batch's, `total_usage`) replaces each prompt's.
+    The reply of a single prompt is returned as it is."""
+    if len(bodies) == 1:
+        return bodies[0]
+    choices = [dict(c, index=i * n + c["index"]) for i, body in enumerate(bodies) for c in body["choices"]]
+    return dict(bodies[0], choices=choices, usage=usage_json(usage))
 
 
 class StreamTranslator:
@@ -299,14 +371,19 @@ class StreamTranslator:
 
     Invariants: each choice's first chat chunk carries `role: assistant`; a choice's
     `finish_reason` appears once, on its last chunk; with `include_usage` every chunk has
-    `usage: null` except one last chunk with no choices and the request's usage (OpenAI's shape).
+    `usage: null`, and the caller ends the call's stream with `usage_chunk` (no choices, the
+    call's usage: OpenAI's shape) once every request of the call has ended (`usage` holds this
+    one's). In a batch (`completion_requests`), choice c of the request goes out as choice
+    `index_offset + c`.
     """
 
-    def __init__(self, chat: bool, model: str, created: int, include_usage: bool) -> None:
+    def __init__(self, chat: bool, model: str, created: int, include_usage: bool, index_offset: int = 0) -> None:
         self.chat = chat
         self.model = model
         self.created = created
         self.include_usage = include_usage
+        self.index_offset = index_offset
+        self.usage: common_pb2.Usage | None = None  # set by the request's last message
         self._started: set[int] = set()
         self._text_offsets: dict[int, int] = {}
         self.request_id = ""
@@ -318,6 +395,12 @@ class StreamTranslator:
         if self.include_usage:
             body["usage"] = None
         return body
+
+    def usage_chunk(self, usage: common_pb2.Usage) -> dict:
+        """The stream's last chunk with `include_usage`: no choices, `usage` (the call's)."""
+        last = self._envelope([])
+        last["usage"] = usage_json(usage)
+        return last
 
     def chunks(self, msg: frontend_pb2.GenerateStreamResponse) -> list[dict]:
         self.request_id = self.request_id or msg.request_id
@@ -333,21 +416,20 @@ class StreamTranslator:
                     self._started.add(c.index)
                 if c.text or "role" in delta:
                     delta["content"] = c.text
-                choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": self.index_offset + c.index, "delta": delta, "finish_reason": finish,
+                          "logprobs": None}
                 if c.logprobs:
                     choice["logprobs"] = chat_logprobs(c.logprobs)
             else:
                 offset = self._text_offsets.get(c.index, 0)
-                choice = {"index": c.index, "text": c.text, "finish_reason": finish,
+                choice = {"index": self.index_offset + c.index, "text": c.text, "finish_reason": finish,
                           "logprobs": completion_logprobs(c.logprobs, offset) if c.logprobs else None}
                 self._text_offsets[c.index] = offset + len(c.text)
             if c.HasField("stop_str"):
                 choice["stop_reason"] = c.stop_str
             out.append(self._envelope([choice]))
-        if msg.HasField("usage") and self.include_usage:
-            last = self._envelope([])
-            last["usage"] = usage_json(msg.usage)
-            out.append(last)
+        if msg.HasField("usage"):
+            self.usage = msg.usage
         return out
 
 
