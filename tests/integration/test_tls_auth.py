@@ -211,7 +211,10 @@ def test_cli_chat_with_tls_flags(secured):
     out = subprocess.run(
         [sys.executable, "-P", "-m", "tandem.cli", "chat", "What is the capital of France?", "--address",
          secured["frontend"], "--max-tokens", "16", "--temperature", "0", "--tls-ca", str(pki["public_ca"]),
-         "--tls-client-cert", str(cert), "--tls-client-key", str(key), "--token", secured["frontend_token"]],
+         "--tls-client-cert", str(cert), "--tls-client-key", str(key),
+         # The = form: a token_urlsafe token begins with "-" one time in 64, which argparse would
+         # take for an option.
+         f"--token={secured['frontend_token']}"],
         capture_output=True, text=True, timeout=120, cwd="/",
         env={k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") or k == "TANDEM_CACHE_DIR"},
     )
