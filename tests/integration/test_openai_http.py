@@ -253,6 +253,14 @@ def test_a_batch_of_prompts_answers_each_as_its_own_request(oai, http_serve):
                               {"model": SERVED, "prompt": ["fine", [10 ** 8]], "max_tokens": 2000, "ignore_eos": True,
                                "stream": stream})
         assert status == 400 and error["error"]["param"] == "prompt_token_ids", error
+    # Raw SSE without a model in the body: every chunk names the served model, not "".
+    body = {"prompt": prompts, "max_tokens": 3, "temperature": 0, "stream": True}
+    req = urllib.request.Request(http_serve["base"] + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 3
+    assert {json.loads(e)["model"] for e in events[:-1]} == {SERVED}
     # A client that hangs up mid-stream of a batch: every prompt's request ends too.
     body = {"model": SERVED, "prompt": ["a", "b", "c"], "max_tokens": 2000, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(http_serve["base"] + "/v1/completions", data=json.dumps(body).encode(),

@@ -252,8 +252,7 @@ class OpenAIHttpApp:
         """SSE over the call's requests (several for a batch of prompts), their chunks in the
         order they come; choice indices and the closing usage are the call's."""
         n = RequestBuilder.num_choices(reqs[0])
-        translators = [openai_wire.StreamTranslator(chat, req.model, created, openai_wire.wants_usage_in_stream(body),
-                                                    i * n)
+        translators = [openai_wire.StreamTranslator(chat, "", created, openai_wire.wants_usage_in_stream(body), i * n)
                        for i, req in enumerate(reqs)]
         contexts = [HttpCallContext(request) for _ in reqs]
         streams = [self.servicer.Stream(req, ctx) for req, ctx in zip(reqs, contexts)]
@@ -265,6 +264,9 @@ class OpenAIHttpApp:
                 return firsts
             for translator in translators:  # one id for the call's chunks: the first request's
                 translator.request_id = firsts[0].request_id
+                # Every chunk names the served model (the final messages do), also when the body
+                # named none or an alias.
+                translator.model = self.servicer.builder.served_model_name
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
             failed = None
