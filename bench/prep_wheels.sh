@@ -7,12 +7,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ../shared/tools/device-prep
-for pkg in msgspec pyzmq; do
+# msgspec and pyzmq: the engine core's transport; llguidance: structured output (imported by the
+# engine's sequence state).
+for pkg in msgspec pyzmq llguidance; do
   version=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$pkg'))")
   rm -f .whl/"${pkg}"-*.whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl "$pkg==$version"
+    --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 -d .whl "$pkg==$version"
 done
 # The commit the GPU machine runs (its own .git copy can be a stale snapshot): run_gpu.sh exports it
 # as TANDEM_GIT_COMMIT, which every result records.

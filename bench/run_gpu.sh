@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 # The carried wheels, then each distribution's source root (namespace package `tandem`, PEP 420).
 export PYTHONPATH=/tmp/site:$PWD/protos:$PWD/common:$PWD/frontend:$PWD/kernels:$PWD/engine_service:$PWD/tools
-python3 -c "import msgspec, zmq, structlog" || { echo "a wheel is missing from .whl: run bench/prep_wheels.sh on the dev machine"; exit 1; }
+python3 -c "import msgspec, zmq, structlog, llguidance" || { echo "a wheel is missing from .whl: run bench/prep_wheels.sh on the dev machine"; exit 1; }
 [ -f .whl/COMMIT ] && export TANDEM_GIT_COMMIT=$(cat .whl/COMMIT)
 PY="python3 -P"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -70,6 +70,20 @@ for part in "$@"; do
     fp8-llama) timeout 240 $PY -m tandem.cli bench throughput --model dummy:llama-3.1-8b --quantization fp8 --max-model-len 4096 --workload random-1k --scale 0.9765625 --no-peer --max-seconds 220 --out "$OUT" ;;
     # Issue 18: Sampler.sample with the filter kernel on and off (tokens, then times) at vocab 151936.
     sampler) timeout 200 $PY bench/probes/sampler_probe.py --batches 1,64,256 ;;
+    # Issue 30 item 4 (issue 21 acceptance 2): the unconstrained decode step unchanged by structured
+    # output. The probe (unseeded: the batched sampler path) on the tree before structured output
+    # and on this one, A B A B. Needs that tree beside this one: `git archive 3b4ed1f protos common
+    # frontend kernels engine_service tools | tar -x -C .base` on the dev machine (carry .base).
+    so-aba)
+      [ -d .base/engine_service ] || { echo "so-aba needs .base (the tree at 3b4ed1f)"; continue; }
+      for round in 1 2; do for side in base head; do
+        root=$PWD; [ $side = base ] && root=$PWD/.base
+        mkdir -p "$OUT/so-aba/$side-$round"
+        OUT="$OUT/so-aba/$side-$round" PYTHONPATH=/tmp/site:$root/protos:$root/common:$root/frontend:$root/kernels:$root/engine_service:$root/tools \
+          timeout 100 $PY bench/probes/structured_output_probe.py dummy:qwen3-0.6b --modes unconstrained --batches 1,64,256 | sed "s/^/$side-$round /"
+      done; done ;;
+    # Structured output's own cost: all constrained and half constrained against unconstrained.
+    so-modes) timeout 150 $PY bench/probes/structured_output_probe.py dummy:qwen3-0.6b --batches 1,64,256 ;;
     # Host time per step with a model-free runner, against the Qwen3-8B batch-256 step (roofline).
     overhead) timeout 120 $PY -m tandem.cli bench overhead --batches 64,256 --gpu-step-ms "${GPU_STEP_MS:-16.4}" --out "$OUT" ;;
     # Issue 11: the hybrid models against transformers' own classes (reference vs Triton eager vs graphs), in parallel.

@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 # The files that take a minute or more on the 2-core CI machine, longest first. scripts/test.sh
 # runs files on two xdist workers in collection order; starting these first keeps one long file
 # from running alone at the end while the other worker idles.
-LONG_FILES = ("test_disaggregated_soak.py", "test_first_run.py", "test_soak.py", "test_preemption.py",
-              "test_faults.py", "test_engine_core.py", "test_slim_frontend.py", "test_disaggregated.py",
-              "test_bench_smoke.py")
+LONG_FILES = ("test_structured_output.py", "test_disaggregated_soak.py", "test_first_run.py", "test_soak.py",
+              "test_preemption.py", "test_faults.py", "test_engine_core.py", "test_slim_frontend.py",
+              "test_disaggregated.py", "test_bench_smoke.py")
 
 
 def pytest_collection_modifyitems(config, items):

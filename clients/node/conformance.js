@@ -277,6 +277,36 @@ const CHECKS = {
     assert.equal(await finished(), before, 'Tokenize or Detokenize ran a generation');
     return { max_context_length: info.max_context_length, replicas: loads.replicas.length, chat_tokens: tok.count };
   },
+
+  /**
+   * (8) Structured output through the `structured_output` oneof: sampled answers (temperature 1)
+   * are JSON that fits the schema; a regex that does not compile is INVALID_ARGUMENT naming it.
+   */
+  async structured_output(client) {
+    const schema = {
+      type: 'object',
+      properties: { color: { enum: ['red', 'green', 'blue'] }, n: { type: 'integer', minimum: 0, maximum: 99 } },
+      required: ['color', 'n'],
+      additionalProperties: false,
+    };
+    const reply = await client.generate({
+      messages: [{ role: 'user', content: 'A color and a number, as JSON.' }],
+      n: 4,
+      sampling: { max_tokens: 30, temperature: 1, seed: 3, json_schema: JSON.stringify(schema) },
+    });
+    for (const c of reply.choices) {
+      const value = JSON.parse(c.text);
+      assert.deepEqual(Object.keys(value).sort(), ['color', 'n'], `keys of ${c.text}`);
+      assert.ok(['red', 'green', 'blue'].includes(value.color), `color of ${c.text}`);
+      assert.ok(Number.isInteger(value.n) && value.n >= 0 && value.n <= 99, `n of ${c.text}`);
+    }
+    const err = await expectStatus(
+      client.generate({ prompt: 'Hi', sampling: { max_tokens: 4, regex: 'a(b' } }),
+      grpc.status.INVALID_ARGUMENT,
+    );
+    assert.match(err.details, /structured_output\.regex/, `message does not name the field: ${err.details}`);
+    return { answers: reply.choices.map((c) => c.text) };
+  },
 };
 
 async function main(argv) {

@@ -21,7 +21,8 @@ from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
     "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
-    "logit_bias", "cache_salt", "priority",
+    "logit_bias", "cache_salt", "priority", "prompt_logprobs",
+    "json_schema", "json_object", "regex", "grammar",  # structured output (one of them)
 )
 REQUEST_FIELDS = (
     "request_id", "stop", "include_stop_str_in_output", "n", "skip_special_tokens", "model",

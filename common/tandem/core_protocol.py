@@ -27,13 +27,37 @@ import msgspec
 LOGIT_BAN = -100.0  # a logit_bias of this value bans its token (its logit becomes -inf)
 
 
+class StructuredOutputKind(str, enum.Enum):
+    """What a structured-output constraint's `spec` is (the wire's `structured_output` oneof)."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON Schema as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object (`spec` is empty)
+    REGEX = "regex"
+    GRAMMAR = "grammar"  # llguidance's Lark syntax
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint the generated tokens must match (compiled by the engine with llguidance).
+
+    `num_constrained_prompt_tokens`: how many of the prompt's last tokens were already generated
+    under this constraint (a disaggregated decode leg: the prefill leg's first token); the
+    engine's matcher consumes them before the first new token.
+    """
+
+    kind: StructuredOutputKind
+    spec: str = ""
+    num_constrained_prompt_tokens: int = 0
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """Token-level sampling and stopping parameters, already validated by the server layer.
 
     Conventions: temperature == 0 means greedy; top_k <= 0 means disabled; top_p == 1 and
     min_p == 0 mean disabled; penalties at their neutral values (1.0 / 0.0) mean disabled.
     `logprobs` is the number of top alternatives to return per generated token (None = no
-    logprobs at all; 0 = only the sampled token's logprob).
+    logprobs at all; 0 = only the sampled token's logprob). `prompt_logprobs` likewise for every
+    prompt position after the first (None = none); such a request takes no prefix-cache hits,
+    so every prompt position is computed.
     """
 
     max_tokens: int = 16
@@ -46,6 +70,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     stop_token_sequences: list[list[int]] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
@@ -56,6 +81,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     cache_salt: str = ""
     # Waiting-queue rank under the priority scheduling policy: lower goes first.
     priority: int = 0
+    # Structured output (None: unconstrained): the engine masks tokens that cannot continue it.
+    structured_output: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +127,8 @@ class SchedulerReason(str, enum.Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     # A prefill leg would make the producer hold more leases than its caps: RESOURCE_EXHAUSTED.
     KV_LEASES_EXHAUSTED = "kv_leases_exhausted"
+    # The structured-output constraint did not compile, or the output left it: INVALID_ARGUMENT.
+    INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"
 
 
 class StopToken(msgspec.Struct, frozen=True, tag="token", array_like=True):
@@ -114,6 +143,10 @@ class StopSequence(msgspec.Struct, frozen=True, tag="sequence", array_like=True)
     index: int
 
 
+class StopGrammar(msgspec.Struct, frozen=True, tag="grammar", array_like=True):
+    """Ended by its structured-output constraint: complete, and nothing more may follow."""
+
+
 class SchedulerStop(msgspec.Struct, frozen=True, tag="scheduler", array_like=True):
     """Ended by the scheduler (an ERROR finish): the request can never be scheduled."""
 
@@ -121,7 +154,7 @@ class SchedulerStop(msgspec.Struct, frozen=True, tag="scheduler", array_like=Tru
     detail: str = ""  # what exactly went wrong (KV transfer failures)
 
 
-StopReason = Union[StopToken, StopSequence, SchedulerStop]
+StopReason = Union[StopToken, StopSequence, StopGrammar, SchedulerStop]
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -304,6 +337,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
     first_token_time: float | None = None
     error: str | None = None
     kv_transfer_params: KVTransferParams | None = None
+    # With `prompt_logprobs`: the logprobs of the prompt positions this step's chunk computed,
+    # in order (position 1 first over the request's outputs; position 0 has none).
+    new_prompt_logprobs: list[TokenLogprobs] = msgspec.field(default_factory=list)
 
 
 class EngineStats(msgspec.Struct, kw_only=True, tag="stats"):

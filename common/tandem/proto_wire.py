@@ -14,9 +14,10 @@ import json
 import math
 from dataclasses import dataclass
 
+import msgspec
 from google.protobuf import json_format, struct_pb2, unknown_fields
 
-from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams
+from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams, StructuredOutput, StructuredOutputKind
 from tandem.sampling_ranges import (  # noqa: F401 - the bounds are re-exported for callers of this module
     MAX_CHOICES,
     MAX_LOGPROBS,
@@ -25,6 +26,7 @@ from tandem.sampling_ranges import (  # noqa: F401 - the bounds are re-exported 
     MIN_REPETITION_PENALTY,
     SAMPLING_RANGES,
 )
+from tandem.structured_output import InvalidStructuredOutput, check as check_structured_output
 from tandem.v1 import common_pb2
 
 MAX_STOP_TOKEN_IDS = 64
@@ -160,6 +162,8 @@ def sampling_from_proto(
         p.ignore_eos = msg.ignore_eos
     if msg.HasField("logprobs"):
         p.logprobs = _ranged("logprobs", msg.logprobs)
+    if msg.HasField("prompt_logprobs"):
+        p.prompt_logprobs = _ranged("prompt_logprobs", msg.prompt_logprobs)
     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
         if msg.HasField(name):
             setattr(p, name, _ranged(name, getattr(msg, name), float32=True))
@@ -175,6 +179,8 @@ def sampling_from_proto(
         p.cache_salt = msg.cache_salt
     if msg.HasField("priority"):
         p.priority = msg.priority
+    if msg.WhichOneof("structured_output") is not None:
+        p.structured_output = structured_output_from_proto(msg)
     sequences = stop_token_sequences or []
     if len(sequences) > MAX_STOP_SEQUENCES:
         raise InvalidRequest("stop_token_sequences", f"at most {MAX_STOP_SEQUENCES} sequences")
@@ -185,6 +191,35 @@ def sampling_from_proto(
             _token_id("stop_token_sequences", t, limits.vocab_size)
     p.stop_token_sequences = [list(s) for s in sequences]
     return p
+
+
+def structured_output_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput:
+    """The request's constraint, checked to compile (InvalidRequest naming the oneof's field)."""
+    which = msg.WhichOneof("structured_output")
+    field = f"structured_output.{which}"
+    if which == "json_object":
+        if not msg.json_object:
+            raise InvalidRequest(field, "only true is valid (leave the field unset for no constraint)")
+        so = StructuredOutput(kind=StructuredOutputKind.JSON_OBJECT)
+    else:
+        so = StructuredOutput(kind=StructuredOutputKind(which), spec=getattr(msg, which))
+    try:
+        check_structured_output(so)
+    except InvalidStructuredOutput as exc:
+        raise InvalidRequest(field, str(exc)) from None
+    return so
+
+
+def with_constrained_prompt_tokens(params: SamplingParams, num_tokens: int, num_prompt_tokens: int) -> SamplingParams:
+    """`params` whose constraint first consumes the prompt's last `num_tokens` tokens (an engine
+    request's `num_constrained_prompt_tokens`: a decode leg's first token)."""
+    field = "num_constrained_prompt_tokens"
+    if params.structured_output is None:
+        raise InvalidRequest(field, "needs sampling.structured_output")
+    if not 0 <= num_tokens < num_prompt_tokens:
+        raise InvalidRequest(field, f"must be in [0, {num_prompt_tokens}) (the prompt's length)")
+    so = msgspec.structs.replace(params.structured_output, num_constrained_prompt_tokens=num_tokens)
+    return msgspec.structs.replace(params, structured_output=so)
 
 
 def check_prompt_token_ids(field: str, ids, vocab_size: int) -> list[int]:

@@ -64,5 +64,6 @@ SAMPLING_RANGES: dict[str, Range] = {
     "presence_penalty": Range(-2, 2, "must be in [-2, 2]"),
     "frequency_penalty": Range(-2, 2, "must be in [-2, 2]"),
     "logprobs": Range(0, MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
     "seed": Range(0, MAX_SEED, f"must be in [0, {MAX_SEED}] (2^63 - {MAX_CHOICES})"),
 }

@@ -95,6 +95,43 @@ def test_n_choices_stop_strings_and_one_token(disagg):
     assert one.usage.completion_tokens == 1
 
 
+def test_prompt_logprobs_come_from_the_prefill_leg(disagg):
+    client = disagg["client"]
+    prompt = LONG_PREFIX + PROMPTS[1]
+    for stream in (False, True):
+        if stream:
+            msgs = list(client.stream(prompt, max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=2,
+                                      return_prompt_token_ids=True))
+            entries = [e for m in msgs for e in m.prompt_logprobs]
+            ids = list(msgs[-1].prompt_token_ids)
+            tokens = [t for m in msgs for c in m.choices for t in c.token_ids]
+        else:
+            reply = client.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=2,
+                                    return_prompt_token_ids=True)
+            entries, ids = list(reply.prompt_logprobs), list(reply.prompt_token_ids)
+            tokens = list(reply.choices[0].token_ids)
+        assert [e.token_id for e in entries] == ids[1:] and all(e.text for e in entries)
+        assert len(tokens) == 6  # the decode leg ran (it was not asked for prompt logprobs)
+        # The same numbers as one engine computing the whole prompt itself.
+        request = engine_pb2.EngineRequest(request_id=f"ref-prompt-logprobs-{stream}", prompt_token_ids=ids)
+        request.sampling.max_tokens = 1
+        request.sampling.prompt_logprobs = 2
+        with grpc.insecure_channel(disagg["prefill"]) as channel:
+            ref = engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60)
+        assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in ref.prompt_logprobs], abs=1e-5)
+
+
+def test_a_decode_leg_refuses_prompt_logprobs(disagg):
+    request = engine_pb2.EngineRequest(request_id="decode-leg-prompt-logprobs", prompt_token_ids=[1, 2, 3])
+    request.sampling.max_tokens = 2
+    request.sampling.prompt_logprobs = 1
+    request.kv_transfer_params.do_remote_prefill = True
+    with grpc.insecure_channel(disagg["decode"]) as channel, pytest.raises(grpc.RpcError) as err:
+        engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_logprobs" in err.value.details()
+
+
 def test_frontend_reports_both_pools(disagg):
     info = disagg["client"].server_info()
     assert info.disaggregated
@@ -102,6 +139,27 @@ def test_frontend_reports_both_pools(disagg):
         (disagg["prefill"], "prefill", "producer"), (disagg["decode"], "decode", "consumer")]
     stats = disagg["client"].utility("stats")
     assert set(stats["engines"]) == {disagg["prefill"], disagg["decode"]}
+
+
+def test_structured_output_across_the_two_legs(disagg):
+    """The prefill leg samples the first token under the constraint, the decode leg's matcher
+    consumes it (num_constrained_prompt_tokens) and continues: every answer matches."""
+    import json
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["color", "n"], "additionalProperties": False}
+    client = disagg["client"]
+    reply = client.generate(PROMPTS[7], max_tokens=30, temperature=1.0, seed=5, n=6, json_schema=json.dumps(schema))
+    for c in reply.choices:
+        assert c.finish_reason == common_pb2.FINISH_REASON_STOP, c.text
+        jsonschema.validate(json.loads(c.text), schema)
+    reply = client.generate(PROMPTS[2], max_tokens=12, temperature=1.0, seed=9, n=6, regex="[0-9]{2}(, [0-9]{2}){2}")
+    for c in reply.choices:
+        assert re.fullmatch("[0-9]{2}(, [0-9]{2}){2}", c.text) and len(c.token_ids) > 1, c.text
 
 
 def _kv(client: TandemClient, address: str) -> dict:

@@ -13,7 +13,7 @@ import pytest
 NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 # Every check conformance.js must report as passed; a check that silently disappears fails here.
 EXPECTED_CHECKS = {"generate", "stream", "deadline", "cancel", "invalid_argument", "optional_presence",
-                   "control_plane"}
+                   "control_plane", "structured_output"}
 
 
 @pytest.mark.parametrize("defaults", ["model", "none"])

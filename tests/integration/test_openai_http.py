@@ -222,6 +222,79 @@ def test_cache_salts_do_not_share_cached_prompt_blocks(oai):
     assert cached("tenant-b") == 0  # another salt: the same prompt hits nothing
 
 
+def test_prompt_logprobs_and_echo_over_http_equal_grpc(oai, http_serve):
+    from tandem.client import TandemClient
+
+    prompt = "The quick brown fox jumps over the lazy dog."
+    with TandemClient(http_serve["frontend"], token=TOKEN) as client:
+        grpc_reply = client.generate(prompt, max_tokens=1, temperature=0.0, prompt_logprobs=2,
+                                     return_prompt_token_ids=True)
+    ids = list(grpc_reply.prompt_token_ids)
+    reply = oai.completions.create(model=SERVED, prompt=prompt, max_tokens=1, temperature=0,
+                                   extra_body={"prompt_logprobs": 2})
+    _assert_prompt_logprobs(reply.choices[0].model_extra["prompt_logprobs"], grpc_reply)
+    # OpenAI's echo with logprobs: the prompt's text and tokens first, their logprobs the prompt's.
+    echoed = oai.completions.create(model=SERVED, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    lps = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == prompt + grpc_reply.choices[0].text
+    assert len(lps.tokens) == len(ids) + 1 and lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    assert lps.tokens[1:len(ids)] == [e.text for e in grpc_reply.prompt_logprobs]
+    assert lps.token_logprobs[1:len(ids)] == pytest.approx([e.logprob for e in grpc_reply.prompt_logprobs], abs=1e-5)
+    assert lps.text_offset[len(ids)] == len(prompt)  # the generated token starts after the echoed prompt
+    # Streamed: once per choice, on its first chunk (the choice's), the same values.
+    firsts = {}
+    for chunk in oai.completions.create(model=SERVED, prompt=prompt, max_tokens=2, temperature=0, n=2, stream=True,
+                                        extra_body={"prompt_logprobs": 2}):
+        for choice in chunk.choices:
+            carried = (choice.model_extra or {}).get("prompt_logprobs")
+            assert (carried is not None) == (choice.index not in firsts), choice.index  # first chunk only
+            firsts.setdefault(choice.index, carried)
+    assert sorted(firsts) == [0, 1]
+    for positions in firsts.values():
+        _assert_prompt_logprobs(positions, grpc_reply)
+    status, error = _post(http_serve["base"] + "/v1/completions",
+                          {"model": SERVED, "prompt": prompt, "prompt_logprobs": 21})
+    assert status == 400 and "prompt_logprobs" in error["error"]["message"]
+
+
+def _assert_prompt_logprobs(positions, grpc_reply) -> None:
+    """vLLM's `prompt_logprobs` JSON equals the gRPC reply's prompt logprobs for the same prompt."""
+    ids = list(grpc_reply.prompt_token_ids)
+    assert positions[0] is None and len(positions) == len(ids)  # vLLM's shape: position 0 has none
+    for position, token, entry in zip(positions[1:], ids[1:], grpc_reply.prompt_logprobs, strict=True):
+        own = position[str(token)]
+        assert own["logprob"] == pytest.approx(entry.logprob, abs=1e-5) and own["rank"] == entry.rank
+        assert own["decoded_token"] == entry.text
+        assert {str(t.token_id) for t in entry.top} <= set(position)  # the top alternatives too
+
+
+def test_chat_prompt_logprobs_over_the_templated_prompt_equal_grpc(oai, http_serve):
+    from tandem.client import TandemClient
+
+    with TandemClient(http_serve["frontend"], token=TOKEN) as client:
+        grpc_reply = client.chat(QUESTION, max_tokens=1, temperature=0.0, prompt_logprobs=2,
+                                 return_prompt_token_ids=True)
+    assert len(grpc_reply.prompt_token_ids) > 10  # the chat template's tokens, not just the question's
+    reply = oai.chat.completions.create(model=SERVED, messages=QUESTION, max_tokens=1, temperature=0,
+                                        extra_body={"prompt_logprobs": 2})
+    _assert_prompt_logprobs(reply.model_extra["prompt_logprobs"], grpc_reply)  # vLLM: top level on chat
+    # Streamed: once per choice, on the chunk that starts the choice, the same values.
+    firsts = {}
+    for chunk in oai.chat.completions.create(model=SERVED, messages=QUESTION, max_tokens=2, temperature=0, n=2,
+                                             stream=True, extra_body={"prompt_logprobs": 2}):
+        carried = (chunk.model_extra or {}).get("prompt_logprobs")
+        index = chunk.choices[0].index
+        assert (carried is not None) == (index not in firsts), index
+        firsts.setdefault(index, carried)
+    assert sorted(firsts) == [0, 1]
+    for positions in firsts.values():
+        _assert_prompt_logprobs(positions, grpc_reply)
+    for bad in (21, -1, "2"):
+        status, error = _post(http_serve["base"] + "/v1/chat/completions",
+                              {"model": SERVED, "messages": QUESTION, "prompt_logprobs": bad, "stream": True})
+        assert status == 400 and error["error"]["param"] == "prompt_logprobs", (bad, error)
+
+
 def test_a_batch_of_prompts_answers_each_as_its_own_request(oai, http_serve):
     """OpenAI's batch form of /v1/completions (a list of prompts, as evaluation harnesses send):
     prompt i's choice j is choice i * n + j with the text that prompt alone gets, usage summed,

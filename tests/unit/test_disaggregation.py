@@ -120,11 +120,28 @@ def test_two_legs_one_stream_with_merged_usage():
     assert prefill_leg.kv_transfer_params.do_remote_decode and prefill_leg.request_id == "r-1-0"
     assert list(decode_leg.prompt_token_ids) == PROMPT + [11]
     assert decode_leg.sampling.max_tokens == 3 and decode_leg.sampling.min_tokens == 2
+    assert decode_leg.num_constrained_prompt_tokens == 0  # unconstrained
     assert decode_leg.request_id == "r-1-0" + DECODE_LEG_SUFFIX
     kv = decode_leg.kv_transfer_params
     assert kv.do_remote_prefill and not kv.do_remote_decode and kv.lease_id == "L" and list(kv.remote_block_ids) == [3, 4]
     assert p.aborts == []  # the consumer took the lease over
     assert d.in_flight == 0
+
+
+def test_a_constrained_choice_tells_the_decode_leg_its_first_token_is_output():
+    er = request(4)
+    er.sampling.regex = "[0-9]+"
+
+    async def main():
+        call, p, d, _ = make([FakeCall([resp([11], LENGTH, 4, 1, lease="L")])],
+                             [FakeCall([resp([12], LENGTH, 5, 3)])], total=4, er=er)
+        await drain(call)
+        return p.sent[0], d.sent[0]
+
+    prefill_leg, decode_leg = asyncio.run(main())
+    assert prefill_leg.sampling.regex == decode_leg.sampling.regex == "[0-9]+"
+    assert prefill_leg.num_constrained_prompt_tokens == 0
+    assert decode_leg.num_constrained_prompt_tokens == 1 and list(decode_leg.prompt_token_ids) == PROMPT + [11]
 
 
 def test_first_token_ends_the_choice_and_the_lease_is_released():

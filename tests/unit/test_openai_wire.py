@@ -3,6 +3,8 @@ HTTP bearer-token check (`tandem.security.bearer_denial`)."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -47,7 +49,11 @@ def test_unset_fields_stay_unset_so_the_model_defaults_apply():
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "a", "grammar": "b"}},
+     "structured_outputs"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+      "guided_regex": "a"}, "guided_regex"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
 ])
 def test_chat_shape_errors_name_their_field(body, field):
@@ -56,16 +62,36 @@ def test_chat_shape_errors_name_their_field(body, field):
     assert info.value.field == field
 
 
+def test_structured_output_spellings():
+    """OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields all set
+    the one structured_output field (the engine-side behaviour: tests/integration/test_structured_output.py)."""
+    msgs = [{"role": "user", "content": "x"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    s = openai_wire.chat_request({"messages": msgs, "response_format": fmt}).sampling
+    assert s.WhichOneof("structured_output") == "json_schema" and json.loads(s.json_schema) == schema
+    assert openai_wire.chat_request({"messages": msgs, "response_format": {"type": "json_object"}}).sampling.json_object
+    text = openai_wire.chat_request({"messages": msgs, "response_format": {"type": "text"}}).sampling
+    assert text.WhichOneof("structured_output") is None
+    s = completion({"prompt": "x", "structured_outputs": {"json": schema}}).sampling
+    assert json.loads(s.json_schema) == schema
+    assert completion({"prompt": "x", "guided_regex": "[0-9]+"}).sampling.regex == "[0-9]+"
+    assert completion({"prompt": "x", "guided_grammar": "start: \"a\""}).sampling.grammar
+    s = openai_wire.chat_request({"messages": msgs, "structured_outputs": {"choice": ["yes", 'say "no"']}}).sampling
+    assert s.grammar == 'start: "yes" | "say \\"no\\""'
+
+
 def test_completion_prompt_forms():
     assert completion({"prompt": "hi"}).prompt == "hi"
     assert list(completion({"prompt": [1, 2]}).prompt_token_ids) == [1, 2]
     assert completion({"prompt": ["one"]}).prompt == "one"
     assert completion({"prompt": "x", "logprobs": 0}).sampling.HasField("logprobs")
     for bad in ({"prompt": 3}, {}, {"prompt": []}, {"prompt": ["a", 3]}, {"prompt": [[1], []]},
-                {"prompt": "x", "echo": True}, {"prompt": "x", "suffix": "!"}):
+                {"prompt": "x", "echo": True, "stream": True},
+                {"prompt": "x", "echo": True, "logprobs": 2, "prompt_logprobs": 1}, {"prompt": "x", "echo": "yes"}):
         with pytest.raises(InvalidRequest) as info:
             openai_wire.completion_requests(bad)
-        assert info.value.field in ("prompt", "echo", "suffix")
+        assert info.value.field in ("prompt", "echo", "prompt_logprobs")
 
 
 def test_a_batch_of_prompts_is_one_request_per_prompt_with_the_same_fields():
@@ -102,6 +128,66 @@ def test_a_batch_reply_numbers_choices_by_prompt_and_sums_usage():
     assert openai_wire.merge_completion_bodies([single], 2, usage) is single  # one prompt: as it was
 
 
+def test_echo_asks_for_the_prompt_and_its_logprobs():
+    plain = completion({"prompt": "x", "echo": True})
+    assert plain.return_prompt_token_ids and not plain.sampling.HasField("prompt_logprobs")
+    scored = completion({"prompt": "x", "echo": True, "logprobs": 2})
+    assert scored.sampling.prompt_logprobs == 2 and scored.sampling.logprobs == 2
+
+
+def test_prompt_logprobs_on_both_endpoints_streamed_or_not():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for body in ({"prompt": "x"}, chat):
+        make = openai_wire.chat_request if "messages" in body else completion
+        for stream in (False, True):
+            assert make({**body, "prompt_logprobs": 3, "stream": stream}).sampling.prompt_logprobs == 3
+        assert make({**body, "prompt_logprobs": 0}).sampling.HasField("prompt_logprobs")
+        assert not make(body).sampling.HasField("prompt_logprobs")
+        for bad in (-1, 21, 2**40, 1.5, True, "2"):  # 2**40 would not fit the wire's int32
+            with pytest.raises(InvalidRequest) as err:
+                make({**body, "prompt_logprobs": bad})
+            assert str(err.value).startswith("prompt_logprobs: ")
+
+
+def _lp(token_id: int, text: str, logprob: float, top=()):
+    entry = common_pb2.Logprobs(token_id=token_id, text=text, logprob=logprob, rank=1)
+    for t_id, t_text, t_lp in top:
+        entry.top.add(token_id=t_id, text=t_text, logprob=t_lp)
+    return entry
+
+
+def test_echoed_completion_reply():
+    msg = frontend_pb2.GenerateResponse(request_id="r", model="m", prompt_token_ids=[5, 6, 7])
+    msg.prompt_logprobs.extend([_lp(6, " b", -1.5, [(6, " b", -1.5)]), _lp(7, "c", -0.5, [(7, "c", -0.5)])])
+    choice = msg.choices.add(index=0, text="!?", finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    choice.logprobs.extend([_lp(8, "!", -0.1, [(8, "!", -0.1)]), _lp(9, "?", -0.2, [(9, "?", -0.2)])])
+    reply = openai_wire.completion_response(msg, 0, openai_wire.Echo.of({"echo": True}, "a bc", "a"))
+    got = reply["choices"][0]
+    assert got["text"] == "a bc!?"
+    assert got["logprobs"]["tokens"] == ["a", " b", "c", "!", "?"]
+    assert got["logprobs"]["token_logprobs"] == [None, -1.5, -0.5, pytest.approx(-0.1), pytest.approx(-0.2)]
+    assert got["logprobs"]["top_logprobs"][0] is None and got["logprobs"]["top_logprobs"][1] == {" b": -1.5}
+    assert got["logprobs"]["text_offset"] == [0, 1, 3, 4, 5]
+    # Echo asked for the prompt logprobs and ids itself: shown only when the body asked too.
+    assert "prompt_logprobs" not in got and "prompt_token_ids" not in got
+    asked = openai_wire.Echo.of({"echo": True, "prompt_logprobs": 1, "return_token_ids": True}, "a bc", "a")
+    both = openai_wire.completion_response(msg, 0, asked)
+    assert both["choices"][0]["prompt_logprobs"][0] is None and both["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert "prompt_token_ids" not in both  # on the choice, as vLLM's completions (chat: top level)
+    assert openai_wire.completion_response(msg, 0)["choices"][0]["text"] == "!?"  # no echo
+
+
+def test_chat_reply_carries_prompt_logprobs_at_the_top_level():
+    msg = frontend_pb2.GenerateResponse(request_id="r", model="m")
+    msg.prompt_logprobs.extend([_lp(6, " b", -1.5, [(9, "z", -1.0)])])
+    msg.choices.add(index=0, text="ok", finish_reason=common_pb2.FINISH_REASON_STOP)
+    reply = openai_wire.chat_response(msg, 0)
+    assert reply["prompt_logprobs"] == [None, {9: {"logprob": -1.0, "rank": 1, "decoded_token": "z"},
+                                                6: {"logprob": -1.5, "rank": 1, "decoded_token": " b"}}]
+    del msg.prompt_logprobs[:]
+    assert "prompt_logprobs" not in openai_wire.chat_response(msg, 0)
+
+
 def test_http_error_shape_and_status():
     status, body = openai_wire.http_error(grpc.StatusCode.INVALID_ARGUMENT, "temperature: must be in [0, 2]")
     assert status == 400
@@ -135,10 +221,13 @@ def test_stream_translator_chat_chunks_with_usage_last():
 
 
 def test_stream_translator_numbers_a_batch_prompts_choices_after_the_earlier_prompts():
-    for chat in (True, False):
-        t = openai_wire.StreamTranslator(chat=chat, model="m", created=1, include_usage=False, index_offset=4)
-        out = t.chunks(_stream_msg([(0, "x", 0), (1, "y", 0)]))
-        assert [c["choices"][0]["index"] for c in out] == [4, 5]
+    t = openai_wire.StreamTranslator(chat=False, model="m", created=1, include_usage=False, prompt_logprobs=True,
+                                     index_offset=4)
+    msg = _stream_msg([(0, "x", 0), (1, "y", 0)])
+    msg.prompt_logprobs.add(token_id=3, logprob=-1.0, rank=1, text="t")
+    out = t.chunks(msg)
+    assert [c["choices"][0]["index"] for c in out] == [4, 5]
+    assert all(len(c["choices"][0]["prompt_logprobs"]) == 2 for c in out)  # each choice's first chunk
 
 
 def test_stream_translator_without_usage_has_no_usage_key():
@@ -146,6 +235,37 @@ def test_stream_translator_without_usage_has_no_usage_key():
     chunks = t.chunks(_stream_msg([(0, "x", common_pb2.FINISH_REASON_LENGTH)], usage=True))
     assert len(chunks) == 1 and "usage" not in chunks[0]
     assert chunks[0]["choices"][0] == {"index": 0, "text": "x", "finish_reason": "length", "logprobs": None}
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_stream_translator_sends_prompt_logprobs_once_per_choice_when_complete(chat):
+    """Entries come over two messages; choice 1 starts before choice 0 (whose first token marks
+    the list complete) and waits; each choice's first chunk has the whole list, later ones none."""
+    t = openai_wire.StreamTranslator(chat=chat, model="m", created=1, include_usage=False, prompt_logprobs=True)
+    first = _stream_msg([])
+    first.prompt_logprobs.append(_lp(6, " b", -1.5))
+    assert t.chunks(first) == []
+    early = _stream_msg([(1, "A", 0)])
+    early.prompt_logprobs.append(_lp(7, "c", -0.5))
+    assert t.chunks(early) == []  # choice 0 has not started: the list may be partial
+    out = t.chunks(_stream_msg([(0, "B", 0)])) + t.chunks(_stream_msg([(0, "C", 0), (1, "D", 0)], usage=True))
+    assert [c["choices"][0]["index"] for c in out] == [1, 0, 0, 1]
+
+    def carried(chunk):
+        return chunk.get("prompt_logprobs") if chat else chunk["choices"][0].get("prompt_logprobs")
+
+    expected = [None, {6: {"logprob": -1.5, "rank": 1, "decoded_token": " b"}},
+                {7: {"logprob": -0.5, "rank": 1, "decoded_token": "c"}}]
+    assert [carried(c) for c in out] == [expected, expected, None, None]
+    plain = openai_wire.StreamTranslator(chat=chat, model="m", created=1, include_usage=False)
+    assert carried(plain.chunks(_stream_msg([(0, "B", 0)]))[0]) is None
+
+
+def test_stream_translator_flush_hands_back_held_chunks():
+    t = openai_wire.StreamTranslator(chat=True, model="m", created=1, include_usage=False, prompt_logprobs=True)
+    assert t.chunks(_stream_msg([(1, "A", 0)])) == []
+    held = t.flush()  # the stream ended (an error) before choice 0 started
+    assert len(held) == 1 and held[0]["prompt_logprobs"] == [None] and t.flush() == []
 
 
 def test_bearer_denial_matches_the_grpc_interceptor():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -281,3 +282,28 @@ def test_cache_salt_bound():
 def test_priority_passes_through():
     assert accepted(sampling(priority=-3)).priority == -3
     assert accepted(sampling()).priority == 0
+
+
+def test_structured_output_oneof_checked_to_compile():
+    from tandem.core_protocol import StructuredOutputKind
+    from tandem.proto_wire import with_constrained_prompt_tokens
+
+    assert accepted(sampling()).structured_output is None
+    so = accepted(sampling(regex="[0-9]{3}")).structured_output
+    assert (so.kind, so.spec, so.num_constrained_prompt_tokens) == (StructuredOutputKind.REGEX, "[0-9]{3}", 0)
+    assert accepted(sampling(json_schema='{"type": "object"}')).structured_output.kind == StructuredOutputKind.JSON_SCHEMA
+    assert accepted(sampling(grammar='start: "a" | "b"')).structured_output.kind == StructuredOutputKind.GRAMMAR
+    assert accepted(sampling(json_object=True)).structured_output.kind == StructuredOutputKind.JSON_OBJECT
+    assert refused(sampling(json_object=False)).startswith("structured_output.json_object: only true is valid")
+    assert refused(sampling(regex="")) == "structured_output.regex: must not be empty"
+    assert refused(sampling(json_schema="[1")).startswith("structured_output.json_schema: not valid JSON")
+    assert refused(sampling(json_schema="3")) == "structured_output.json_schema: a JSON Schema is an object (or true/false)"
+    assert "unknown name" in refused(sampling(grammar="start: foo"))
+    assert refused(sampling(regex="a" * (64 * 1024 + 1))) == "structured_output.regex: at most 65536 bytes"
+    params = accepted(sampling(regex="[0-9]+"))
+    assert with_constrained_prompt_tokens(params, 1, 10).structured_output.num_constrained_prompt_tokens == 1
+    for n, prompt, message in ((1, 1, "must be in [0, 1)"), (10, 10, "must be in [0, 10)")):
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            with_constrained_prompt_tokens(params, n, prompt)
+    with pytest.raises(InvalidRequest, match="needs sampling.structured_output"):
+        with_constrained_prompt_tokens(accepted(sampling()), 1, 10)

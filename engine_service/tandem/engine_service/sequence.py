@@ -12,6 +12,7 @@ import time
 import torch
 
 from tandem.core_protocol import FinishReason, KVTransferParams, SamplingParams, StopReason
+from tandem.engine_service.grammar.matcher import GrammarMatcher
 from tandem.engine_service.pending import PendingTokens, seeded_generator
 
 __all__ = ["FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
@@ -20,6 +21,7 @@ __all__ = ["FinishReason", "SamplingParams", "Sequence", "SequenceStatus"]
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
     LOADING_KV = "loading_kv"  # holds its blocks, waits for a remote KV load (never scheduled meanwhile)
+    COMPILING = "compiling"  # waits for its structured-output grammar (holds nothing meanwhile)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -80,6 +82,9 @@ class Sequence(PendingTokens):
         # time.monotonic() past which the scheduler ends it with DEADLINE_EXCEEDED (None: never).
         self.deadline = deadline
         self.generator: torch.Generator | None = seeded_generator(params)
+        # Structured output: the matcher of `params.structured_output`, set once it compiled
+        # (the engine advances it with each read-back token; None when unconstrained).
+        self.grammar: GrammarMatcher | None = None
 
     # -- cache views -------------------------------------------------------------------------
     @property

@@ -13,6 +13,11 @@ A worker keeps one persistent row per request (`worker_rows.py`) and is told onl
 
 Decode tokens never travel in a plan: the worker samples them and appends them to its own rows.
 
+Structured output: `grammar_bitmask` (None when no sampled request of the step is constrained)
+gives the allowed next tokens of the constrained sampled entries, which the sampler applies on
+the device. The scheduler side fills it from its matchers after the previous step's tokens were
+read back (a constrained request never samples past a pending token).
+
 State checkpoints (models with state groups and prefix caching): `state_copies_before` lists
 (src, dst) state-slot copies the worker runs over every state tensor before the step's forward
 (a prefix hit restores a checkpoint slot into the request's slot), `state_copies_after` those it
@@ -109,6 +114,16 @@ class CachedRequests(msgspec.Struct, kw_only=True, array_like=True, gc=False):
         self.num_null_blocks.append(num_null_blocks)
 
 
+class TokenBitmask(msgspec.Struct, kw_only=True, array_like=True):
+    """Allowed next tokens of some sampled entries: `rows[i]` (an index in the step's sampled-row
+    order) may sample token t iff bit t % 32 of int32 word t // 32 of its mask is set. `words` is
+    `len(rows)` × `num_words` little-endian int32, row after row."""
+
+    rows: list[int]
+    num_words: int
+    words: bytes
+
+
 class StepPlan(msgspec.Struct, kw_only=True):
     """One step's instructions to every worker (see the module docstring for the invariants)."""
 
@@ -121,6 +136,7 @@ class StepPlan(msgspec.Struct, kw_only=True):
     kv_connector_metadata: KVConnectorMetadata | None = None
     state_copies_before: list[tuple[int, int]] = msgspec.field(default_factory=list)
     state_copies_after: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    grammar_bitmask: TokenBitmask | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

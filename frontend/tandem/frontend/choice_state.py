@@ -40,6 +40,10 @@ class ChoiceState:
         self.stop_token_id: int | None = None
         self.usage = common_pb2.Usage()
         self.logprobs: list[common_pb2.Logprobs] = []
+        # Prompt logprobs (positions 1, 2, ... with text; only the choice that asked gets them)
+        # and how many of them a stream message carried already.
+        self.prompt_logprobs: list[common_pb2.Logprobs] = []
+        self._prompt_logprobs_sent = 0
         self.kv_transfer_params = None  # as returned by the engine's final message
 
     @property
@@ -55,12 +59,12 @@ class ChoiceState:
         self.token_ids.extend(ids)
         delta.token_ids.extend(ids)
         for lp in resp.logprobs:
-            entry = delta.logprobs.add()
-            entry.CopyFrom(lp)
-            entry.text = self.tokenizer.decode([lp.token_id], skip_special_tokens=False)
-            for top in entry.top:
-                top.text = self.tokenizer.decode([top.token_id], skip_special_tokens=False)
+            self._with_text(delta.logprobs.add(), lp)
         self.logprobs.extend(delta.logprobs)
+        for lp in resp.prompt_logprobs:
+            entry = common_pb2.Logprobs()
+            self._with_text(entry, lp)
+            self.prompt_logprobs.append(entry)
         text = self.detok.push(ids) if ids else ""
         engine_done = resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
         if engine_done:
@@ -87,6 +91,19 @@ class ChoiceState:
         delta.text = out
         self.text_parts.append(out)
         return delta
+
+    def take_new_prompt_logprobs(self) -> list[common_pb2.Logprobs]:
+        """The prompt logprobs that arrived since the last call (a stream message's share)."""
+        new = self.prompt_logprobs[self._prompt_logprobs_sent:]
+        self._prompt_logprobs_sent = len(self.prompt_logprobs)
+        return new
+
+    def _with_text(self, entry: common_pb2.Logprobs, lp: common_pb2.Logprobs) -> None:
+        """`entry` = `lp` with the text of its token and of each alternative."""
+        entry.CopyFrom(lp)
+        entry.text = self.tokenizer.decode([lp.token_id], skip_special_tokens=False)
+        for top in entry.top:
+            top.text = self.tokenizer.decode([top.token_id], skip_special_tokens=False)
 
     def _match(self, text: str) -> str:
         if self.matcher is None:

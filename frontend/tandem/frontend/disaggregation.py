@@ -148,8 +148,10 @@ def prefill_leg_request(request: engine_pb2.EngineRequest, keep_kv: bool) -> eng
 def decode_leg_request(request: engine_pb2.EngineRequest, first_token: int, max_tokens: int,
                        returned: common_pb2.KVTransferParams | None) -> engine_pb2.EngineRequest:
     """The decode leg: the prompt followed by the first token, the tokens still to generate, and
-    the producer's parameters turned into a pull (`do_remote_prefill`). Without parameters (the
-    prefill engine kept no KV) the decode engine computes the prompt itself."""
+    the producer's parameters turned into a pull (`do_remote_prefill`). A structured-output
+    constraint goes along, told that the prompt's last token is already output under it.
+    Without parameters (the prefill engine kept no KV) the decode engine computes the prompt
+    itself."""
     leg = engine_pb2.EngineRequest()
     leg.CopyFrom(request)
     leg.request_id = request.request_id + DECODE_LEG_SUFFIX
@@ -157,6 +159,9 @@ def decode_leg_request(request: engine_pb2.EngineRequest, first_token: int, max_
     leg.sampling.max_tokens = max_tokens
     if leg.sampling.HasField("min_tokens"):
         leg.sampling.min_tokens = max(leg.sampling.min_tokens - 1, 0)
+    leg.sampling.ClearField("prompt_logprobs")  # the prefill leg computed the prompt and reported them
+    if leg.sampling.WhichOneof("structured_output") is not None:
+        leg.num_constrained_prompt_tokens = 1  # the first token was generated under the constraint
     leg.ClearField("kv_transfer_params")
     if returned is not None and returned.lease_id:
         leg.kv_transfer_params.CopyFrom(returned)
@@ -227,7 +232,8 @@ class TwoLegCall:
         try:
             self.stage = "prefill"
             self._lease_held = two_legs
-            prefill_final, tokens, logprobs = await self._run_prefill(prefill_leg_request(self.request, two_legs))
+            prefill_final, tokens, logprobs, prompt_logprobs = await self._run_prefill(
+                prefill_leg_request(self.request, two_legs))
             # The leg ended normally: its final message says whether the producer kept a lease.
             self._lease_held = two_legs and bool(prefill_final.kv_transfer_params.lease_id)
             ended = (prefill_final.finish_reason != common_pb2.FINISH_REASON_LENGTH or not two_legs
@@ -235,15 +241,17 @@ class TwoLegCall:
             if ended:  # the first token ended the choice (or the leg was aborted): no decode leg
                 prefill_final.ClearField("kv_transfer_params")
                 # Everything the leg sent, whether in one message or in several.
-                del prefill_final.token_ids[:], prefill_final.logprobs[:]
+                del prefill_final.token_ids[:], prefill_final.logprobs[:], prefill_final.prompt_logprobs[:]
                 prefill_final.token_ids.extend(tokens)
                 prefill_final.logprobs.extend(logprobs)
+                prefill_final.prompt_logprobs.extend(prompt_logprobs)
                 self.stage = "done"
                 yield prefill_final
                 return
             self.stage = "between"
             first = engine_pb2.EngineResponse(request_id=self.request.request_id, token_ids=tokens)
             first.logprobs.extend(logprobs)
+            first.prompt_logprobs.extend(prompt_logprobs)
             yield first  # the client has its first token before the decode leg starts
             if self.cancelled:
                 return
@@ -261,21 +269,24 @@ class TwoLegCall:
                 self._release_lease()
 
     async def _run_prefill(self, leg: engine_pb2.EngineRequest):
-        """Runs the prefill leg to its end; returns its final message and every token it made."""
+        """Runs the prefill leg to its end; returns its final message, every token it made, their
+        logprobs and the prompt's logprobs (when asked: the prefill leg computes the prompt)."""
         tokens: list[int] = []
         logprobs: list[common_pb2.Logprobs] = []
+        prompt_logprobs: list[common_pb2.Logprobs] = []
         try:
             self.leg = self.prefill.open_call(leg, self._remaining(), self.metadata, self.multiplexed)
             async for resp in self.leg:
                 tokens.extend(resp.token_ids)
                 logprobs.extend(resp.logprobs)
+                prompt_logprobs.extend(resp.prompt_logprobs)
                 if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    return resp, tokens, logprobs
+                    return resp, tokens, logprobs, prompt_logprobs
         except grpc.aio.AioRpcError as exc:
             raise LegFailed(exc, "prefill", self.pools.prefill, self.prefill) from None
         # The stream closed without a final message (cancelled underneath us).
         return engine_pb2.EngineResponse(request_id=leg.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT), \
-            tokens, logprobs
+            tokens, logprobs, prompt_logprobs
 
     async def _run_decode(self, leg: engine_pb2.EngineRequest):
         if self.decode is None:

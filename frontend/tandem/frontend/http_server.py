@@ -228,7 +228,7 @@ class OpenAIHttpApp:
         created = int(time.time())
         if body.get("stream"):
             return await self._stream(request, reqs, body, chat, created)
-        replies = await _all_or_first_refusal([self._reply(request, req, chat, created) for req in reqs])
+        replies = await _all_or_first_refusal([self._reply(request, req, body, chat, created) for req in reqs])
         if isinstance(replies, web.Response):
             return replies
         if chat:
@@ -237,7 +237,7 @@ class OpenAIHttpApp:
         usage = openai_wire.total_usage(u for _, u in replies)
         return web.json_response(openai_wire.merge_completion_bodies([b for b, _ in replies], n, usage))
 
-    async def _reply(self, request: web.Request, req, chat: bool, created: int):
+    async def _reply(self, request: web.Request, req, body: dict, chat: bool, created: int):
         """One request's whole reply as OpenAI's JSON and its usage, or the error response that
         refused it."""
         ctx = HttpCallContext(request)
@@ -245,14 +245,30 @@ class OpenAIHttpApp:
             msg = await self.servicer.Generate(req, ctx)
         except grpc.aio.AbortError:
             return _context_error(ctx)
-        reply = openai_wire.chat_response(msg, created) if chat else openai_wire.completion_response(msg, created)
-        return reply, msg.usage
+        if chat:
+            return openai_wire.chat_response(msg, created), msg.usage
+        try:
+            echo = await self._echo(body, req, msg)
+        except TokenizerBusy as exc:
+            return _error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later", {"Retry-After": "1"})
+        return openai_wire.completion_response(msg, created, echo), msg.usage
+
+    async def _echo(self, body: dict, req, msg) -> openai_wire.Echo | None:
+        """With `echo`, the prompt's text (the one sent, or the token ids' text) and its first
+        token's text, decoded on the tokenizer pool."""
+        if not body.get("echo"):
+            return None
+        ids = list(msg.prompt_token_ids)
+        whole = req.prompt and not req.HasField("truncate_prompt_tokens")
+        text = req.prompt if whole else await self.servicer.detokenize(ids)
+        return openai_wire.Echo.of(body, text, await self.servicer.detokenize(ids[:1]))
 
     async def _stream(self, request, reqs: list, body: dict, chat: bool, created: int):
         """SSE over the call's requests (several for a batch of prompts), their chunks in the
         order they come; choice indices and the closing usage are the call's."""
         n = RequestBuilder.num_choices(reqs[0])
-        translators = [openai_wire.StreamTranslator(chat, "", created, openai_wire.wants_usage_in_stream(body), i * n)
+        translators = [openai_wire.StreamTranslator(chat, "", created, openai_wire.wants_usage_in_stream(body),
+                                                    req.sampling.HasField("prompt_logprobs"), i * n)
                        for i, req in enumerate(reqs)]
         contexts = [HttpCallContext(request) for _ in reqs]
         streams = [self.servicer.Stream(req, ctx) for req, ctx in zip(reqs, contexts)]
@@ -279,6 +295,9 @@ class OpenAIHttpApp:
                             await response.write(_sse(chunk))
             except grpc.aio.AbortError:
                 failed = next((ctx for ctx in contexts if ctx.code() is not None), contexts[0])
+            for translator in translators:  # chunks still held for the prompt logprobs
+                for chunk in translator.flush():
+                    await response.write(_sse(chunk))
             if failed is not None:
                 await response.write(_sse(openai_wire.http_error(failed.code() or grpc.StatusCode.UNKNOWN,
                                                                  failed.details())[1]))

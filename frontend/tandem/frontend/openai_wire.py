@@ -7,26 +7,44 @@ the HTTP layer answers with OpenAI's error object and status 400.
 
 Fields outside OpenAI's schema that vLLM also accepts (`top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`,
-`add_generation_prompt`, `return_token_ids`, `truncate_prompt_tokens`, `cache_salt`, `priority`) map onto
-the matching protobuf fields (`logit_bias` too); other unknown fields are ignored, as
-OpenAI-compatible servers do. A JSON integer that does not fit the proto field it goes to
-(int32; `seed` int64) is refused naming the field. Features Tandem does not implement (tools,
-structured `response_format`, `echo`, `suffix`, `best_of` > n) are refused with 400 rather than
-silently ignored.
+`add_generation_prompt`, `return_token_ids`, `truncate_prompt_tokens`, `cache_salt`, `priority`,
+`prompt_logprobs`) map onto the matching protobuf fields (`logit_bias` too); other unknown fields
+are ignored, as OpenAI-compatible servers do. OpenAI's `echo` on `/v1/completions` (without
+streaming) puts the prompt's text before each choice's, and with `logprobs` the prompt's tokens
+before the choice's (their logprobs are prompt logprobs; the first token's is null). Features
+Tandem does not implement (tools, `echo` with `stream`, `suffix`, `best_of` > n) are refused with
+400 rather than silently ignored.
 
 `/v1/completions` takes OpenAI's batch form too: `prompt` a list of strings or of token-id lists
 (`completion_requests`: one GenerateRequest per prompt, at most `MAX_BATCH_PROMPTS`). Prompt i's
 choice j is choice `i * n + j` of the reply (`merge_completion_bodies`, `StreamTranslator`'s
 `index_offset`), whose usage is the prompts' summed. With `return_token_ids`, each choice carries
 its prompt's `prompt_token_ids` (vLLM's completions shape; a chat reply has them at the top level).
+
+`prompt_logprobs` (both endpoints; on chat over the chat-templated prompt) comes back in vLLM's
+shape (`prompt_logprobs_json`): on each choice of `/v1/completions`, at the top level of a chat
+completion. Streamed, it goes out once per choice, on that choice's first chunk (on the choice of
+a completion chunk, at the top level of a chat chunk), and only once the whole prompt's entries
+have arrived (`StreamTranslator`).
+
+Structured output (both endpoints) comes in the three spellings a vLLM user knows, at most one
+per request: OpenAI's `response_format` (`{"type": "json_schema", "json_schema": {"schema":
+...}}`, `{"type": "json_object"}`, `{"type": "text"}` = none), vLLM's `structured_outputs`
+object (`json`, `regex`, `grammar` in Lark syntax, `choice`, `json_object`; exactly one), and
+vLLM's older top-level `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice`. Each
+becomes `SamplingParams.structured_output`; `choice` a Lark grammar of the alternatives.
 """
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
 
 import grpc
 
 from tandem.frontend.request_builder import RequestBuilder
 from tandem.proto_wire import InvalidRequest
+from tandem.sampling_ranges import SAMPLING_RANGES
 from tandem.v1 import common_pb2, frontend_pb2
 
 # Prompts one /v1/completions call may batch, and choices in all (prompts x n): each prompt is a
@@ -179,6 +197,13 @@ def _common(body: dict, req: frontend_pb2.GenerateRequest) -> None:
     salt = _typed(body, "cache_salt", (str,), "a string")
     if salt is not None:
         s.cache_salt = salt
+    _structured_output(body, s)
+    prompt_logprobs = _int(body, "prompt_logprobs")
+    if prompt_logprobs is not None:
+        bounds = SAMPLING_RANGES["prompt_logprobs"]  # checked here too: a huge value must not reach int32
+        if not bounds.contains(prompt_logprobs):
+            raise InvalidRequest("prompt_logprobs", bounds.text)
+        s.prompt_logprobs = prompt_logprobs
     truncate = _int(body, "truncate_prompt_tokens")
     if truncate is not None:
         req.truncate_prompt_tokens = truncate
@@ -229,7 +254,14 @@ def completion_requests(body: dict) -> list[frontend_pb2.GenerateRequest]:
     logprobs = _int(body, "logprobs")
     if logprobs is not None:
         base.sampling.logprobs = logprobs
-    _refuse(body, "echo")
+    if _bool(body, "echo"):
+        if body.get("stream"):
+            raise InvalidRequest("echo", "not with stream: true (ask without streaming)")
+        base.return_prompt_token_ids = True  # the reply puts the prompt's text before each choice's
+        if logprobs is not None:
+            if body.get("prompt_logprobs") not in (None, logprobs):
+                raise InvalidRequest("prompt_logprobs", "with echo and logprobs, leave it out or make it equal logprobs")
+            base.sampling.prompt_logprobs = logprobs  # the echoed prompt's tokens get logprobs too
     _refuse(body, "suffix", (None, ""))
     requests = []
     for prompt in prompts:
@@ -280,10 +312,63 @@ def chat_request(body: dict) -> frontend_pb2.GenerateRequest:
         req.add_generation_prompt = add_gen
     _refuse(body, "tools", (None, []))
     _refuse(body, "tool_choice", (None, "none", "auto"))
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise InvalidRequest("response_format", "only {\"type\": \"text\"} is supported by this server")
     return req
+
+
+# vLLM's `structured_outputs` keys and its older top-level `guided_*` fields, by the kind they set.
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice",
+               "json_object": "json_object"}
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar",
+           "guided_choice": "choice"}
+
+
+def _structured_output(body: dict, s: common_pb2.SamplingParams) -> None:
+    """Sets `s.structured_output` from whichever spelling the body uses (module docstring)."""
+    found: list[tuple[str, str, object]] = []  # (JSON field, kind, value)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise InvalidRequest("response_format", 'type must be "text", "json_object" or "json_schema"')
+        if fmt["type"] == "json_object":
+            found.append(("response_format", "json_object", True))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise InvalidRequest("response_format", "json_schema.schema must be a JSON Schema object")
+            found.append(("response_format", "json_schema", spec["schema"]))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise InvalidRequest("structured_outputs", "must be an object")
+        set_keys = [k for k in _VLLM_KINDS if outputs.get(k) not in (None, False)]
+        if len(set_keys) != 1:
+            raise InvalidRequest("structured_outputs", f"set exactly one of {', '.join(_VLLM_KINDS)}")
+        found.append(("structured_outputs", _VLLM_KINDS[set_keys[0]], outputs[set_keys[0]]))
+    found += [(name, kind, body[name]) for name, kind in _GUIDED.items() if body.get(name) is not None]
+    if not found:
+        return
+    if len(found) > 1:
+        raise InvalidRequest(found[1][0], f"only one structured-output constraint per request (also {found[0][0]})")
+    field, kind, value = found[0]
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidRequest(field, "json_object must be true")
+        s.json_object = True
+    elif kind == "json_schema":
+        if isinstance(value, str):
+            s.json_schema = value
+        elif isinstance(value, (dict, bool)):
+            s.json_schema = json.dumps(value)
+        else:
+            raise InvalidRequest(field, "the JSON schema must be an object or its JSON text")
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise InvalidRequest(field, "choice must be a non-empty list of non-empty strings")
+        s.grammar = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+    else:
+        if not isinstance(value, str):
+            raise InvalidRequest(field, f"the {kind} must be a string")
+        setattr(s, kind, value)
 
 
 # -- replies ---------------------------------------------------------------------------------------
@@ -335,17 +420,64 @@ def chat_response(msg: frontend_pb2.GenerateResponse, created: int) -> dict:
         choices.append(choice)
     body = {"id": f"chatcmpl-{msg.request_id}", "object": "chat.completion", "created": created,
             "model": msg.model, "choices": choices, "usage": usage_json(msg.usage)}
+    if msg.prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs_json(msg.prompt_logprobs)  # vLLM: top level on chat
     if msg.prompt_token_ids:
         body["prompt_token_ids"] = list(msg.prompt_token_ids)
     return body
 
 
-def completion_response(msg: frontend_pb2.GenerateResponse, created: int) -> dict:
+def prompt_logprobs_json(entries) -> list:
+    """vLLM's `prompt_logprobs`: None for position 0, then per position a dict keyed by token id
+    (the prompt's own token and the top alternatives) of `{logprob, rank, decoded_token}`; an
+    alternative's rank is its place in the top list."""
+    out: list = [None]
+    for e in entries:
+        position = {t.token_id: {"logprob": t.logprob, "rank": r, "decoded_token": t.text}
+                    for r, t in enumerate(e.top, start=1)}
+        position[e.token_id] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.text}
+        out.append(position)
+    return out
+
+
+@dataclass(frozen=True)
+class Echo:
+    """`echo: true` on /v1/completions: `text` (the prompt's) goes before every choice's text, and
+    with logprobs the prompt's tokens lead the choice's, the first (`first_token_text`) with a
+    null logprob. The `keep_*` flags: the body also asked for `prompt_logprobs` /
+    `return_token_ids` (echo asks for both itself, and shows them only if they were asked)."""
+
+    text: str
+    first_token_text: str
+    keep_prompt_logprobs: bool = False
+    keep_prompt_token_ids: bool = False
+
+    @classmethod
+    def of(cls, body: dict, text: str, first_token_text: str) -> Echo:
+        """The echo of a body that asked for it (the caller checked `echo`)."""
+        return cls(text, first_token_text, body.get("prompt_logprobs") is not None, bool(body.get("return_token_ids")))
+
+
+def echoed_logprobs(echo: Echo, prompt_entries, entries) -> dict:
+    """OpenAI's completion logprobs over the echoed prompt and the choice's tokens."""
+    prompt = completion_logprobs(prompt_entries, len(echo.first_token_text))
+    generated = completion_logprobs(entries, len(echo.text))
+    return {key: [first] + prompt[key] + generated[key] for key, first in
+            (("tokens", echo.first_token_text), ("token_logprobs", None), ("top_logprobs", None), ("text_offset", 0))}
+
+
+def completion_response(msg: frontend_pb2.GenerateResponse, created: int, echo: Echo | None = None) -> dict:
     choices = []
     for c in msg.choices:
-        choice = {"index": c.index, "text": c.text, "finish_reason": FINISH_REASONS.get(c.finish_reason),
-                  "logprobs": completion_logprobs(c.logprobs) if c.logprobs else None}
-        if msg.prompt_token_ids:
+        logprobs = None
+        if c.logprobs:
+            logprobs = echoed_logprobs(echo, msg.prompt_logprobs, c.logprobs) if echo else completion_logprobs(c.logprobs)
+        choice = {"index": c.index, "text": (echo.text if echo else "") + c.text,
+                  "finish_reason": FINISH_REASONS.get(c.finish_reason), "logprobs": logprobs}
+        if msg.prompt_logprobs and (echo is None or echo.keep_prompt_logprobs):
+            # The prompt is every choice's (vLLM repeats it per choice).
+            choice["prompt_logprobs"] = prompt_logprobs_json(msg.prompt_logprobs)
+        if msg.prompt_token_ids and (echo is None or echo.keep_prompt_token_ids):
             choice["prompt_token_ids"] = list(msg.prompt_token_ids)  # on the choice, as vLLM's completions
         if c.HasField("stop_str"):
             choice["stop_reason"] = c.stop_str
@@ -375,9 +507,16 @@ class StreamTranslator:
     call's usage: OpenAI's shape) once every request of the call has ended (`usage` holds this
     one's). In a batch (`completion_requests`), choice c of the request goes out as choice
     `index_offset + c`.
+
+    With `prompt_logprobs` (the request asked for them) each choice's first chunk carries the
+    whole prompt's list once. The entries arrive over several messages as the prompt is computed,
+    by choice 0 alone; they are complete once choice 0 has a delta (its first token follows its
+    prompt) or the stream ends. Until then the chunks of other choices wait in `_held`, so none
+    goes out with part of the list; `flush` hands back whatever still waits.
     """
 
-    def __init__(self, chat: bool, model: str, created: int, include_usage: bool, index_offset: int = 0) -> None:
+    def __init__(self, chat: bool, model: str, created: int, include_usage: bool,
+                 prompt_logprobs: bool = False, index_offset: int = 0) -> None:
         self.chat = chat
         self.model = model
         self.created = created
@@ -387,6 +526,12 @@ class StreamTranslator:
         self._started: set[int] = set()
         self._text_offsets: dict[int, int] = {}
         self.request_id = ""
+        self._prompt_entries: list | None = [] if prompt_logprobs else None  # None: not asked
+        self._prompt_complete = not prompt_logprobs
+        self._prompt_json: list | None = None
+        self._held: list[dict] = []
+        self._owes_prompt: set[int] = set()  # choices whose first chunk still lacks the list
+        self._seen: set[int] = set()  # choices with a chunk made
 
     def _envelope(self, choices: list[dict]) -> dict:
         prefix, kind = ("chatcmpl", "chat.completion.chunk") if self.chat else ("cmpl", "text_completion")
@@ -402,12 +547,36 @@ class StreamTranslator:
         last["usage"] = usage_json(usage)
         return last
 
+    def _with_prompt_logprobs(self, chunk: dict) -> dict:
+        """`chunk` with the prompt logprobs if it is its choice's first (complete list by now)."""
+        choice = chunk["choices"][0]
+        index = choice["index"] - self.index_offset
+        if index in self._owes_prompt:
+            self._owes_prompt.discard(index)
+            if self._prompt_json is None:  # the list is complete by now: convert it once for every choice
+                self._prompt_json = prompt_logprobs_json(self._prompt_entries)
+            (chunk if self.chat else choice)["prompt_logprobs"] = self._prompt_json
+        return chunk
+
+    def flush(self) -> list[dict]:
+        """The held chunks, with the prompt logprobs that arrived (the stream ended early)."""
+        self._prompt_complete = True
+        held, self._held = self._held, []
+        return [self._with_prompt_logprobs(chunk) for chunk in held]
+
     def chunks(self, msg: frontend_pb2.GenerateStreamResponse) -> list[dict]:
         self.request_id = self.request_id or msg.request_id
         if msg.model:
             self.model = msg.model
+        if self._prompt_entries is not None:
+            self._prompt_entries.extend(msg.prompt_logprobs)
+        if any(c.index == 0 for c in msg.choices) or msg.HasField("usage"):
+            self._prompt_complete = True
         out = []
         for c in msg.choices:
+            if self._prompt_entries is not None and c.index not in self._seen:
+                self._owes_prompt.add(c.index)
+            self._seen.add(c.index)
             finish = FINISH_REASONS.get(c.finish_reason)
             if self.chat:
                 delta: dict = {}
@@ -428,9 +597,12 @@ class StreamTranslator:
             if c.HasField("stop_str"):
                 choice["stop_reason"] = c.stop_str
             out.append(self._envelope([choice]))
+        if not self._prompt_complete:
+            self._held.extend(out)
+            return []
         if msg.HasField("usage"):
             self.usage = msg.usage
-        return out
+        return self.flush() + [self._with_prompt_logprobs(chunk) for chunk in out]
 
 
 def tokenize_request(body: dict) -> frontend_pb2.GenerateRequest:

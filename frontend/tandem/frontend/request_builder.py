@@ -168,6 +168,8 @@ class RequestBuilder:
             er.sampling.CopyFrom(request.sampling)
             if request.sampling.HasField("seed"):
                 er.sampling.seed = request.sampling.seed + i
+            if i > 0:  # the prompt is shared: choice 0 alone computes its logprobs
+                er.sampling.ClearField("prompt_logprobs")
             for seq in sequences:
                 er.stop_token_sequences.add(token_ids=seq)
             if kv is not None:

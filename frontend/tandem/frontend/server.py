@@ -504,10 +504,11 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 if stream:
                     msg = frontend_pb2.GenerateStreamResponse(request_id=prepared.external_id)
                     msg.choices.extend(d for d in deltas if d.text or d.token_ids or d.finish_reason or d.logprobs)
+                    msg.prompt_logprobs.extend(choices[0].take_new_prompt_logprobs())
                     if not open_choices:
                         self._fill_final(msg, prepared, choices, arrival, first_token_time)
                         leases_returned = self.trust_kv_callers
-                    if msg.choices or not open_choices:
+                    if msg.choices or msg.prompt_logprobs or not open_choices:
                         yield msg
             if not stream:
                 msg = frontend_pb2.GenerateResponse(request_id=prepared.external_id)
@@ -521,6 +522,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 self._fill_final(msg, prepared, choices, arrival, first_token_time)
                 if prepared.want_logprobs:
                     self._attach_logprobs(msg, choices)
+                msg.prompt_logprobs.extend(choices[0].prompt_logprobs)
                 leases_returned = self.trust_kv_callers
                 yield msg
         finally:

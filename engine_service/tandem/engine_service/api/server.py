@@ -22,6 +22,7 @@ from tandem.core_protocol import (
     SchedulerStop,
     StopSequence,
     StopToken,
+    TokenLogprobs,
     UtilityCommand,
 )
 from tandem.engine_service.api.core_client import (
@@ -43,6 +44,7 @@ from tandem.proto_wire import (
     kv_transfer_params_of,
     kv_transfer_to_proto,
     sampling_from_proto,
+    with_constrained_prompt_tokens,
     to_struct,
 )
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -91,7 +93,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             len(prompt),
             [list(s.token_ids) for s in request.stop_token_sequences],
         )
+        if request.num_constrained_prompt_tokens:
+            params = with_constrained_prompt_tokens(params, request.num_constrained_prompt_tokens, len(prompt))
         kv_params = kv_transfer_params_of(request, metadata)
+        if params.prompt_logprobs is not None and kv_params is not None and kv_params.do_remote_prefill:
+            raise InvalidRequest("sampling.prompt_logprobs", "a decode leg (do_remote_prefill) pulls the prompt's KV "
+                                                             "and computes no prompt position: ask the prefill leg")
         # The call's deadline travels into the core, which enforces it whatever the transport
         # (a multiplexed request's Submit call ends long before the request does).
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
@@ -276,9 +283,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             msg.token_ids.extend(o.new_token_ids)
             for lp in o.new_logprobs:
                 if lp is not None:
-                    entry = msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank)
-                    for tid, val in lp.top:
-                        entry.top.add(token_id=tid, logprob=val)
+                    _add_logprobs(msg.logprobs, lp)
+            for lp in o.new_prompt_logprobs:
+                _add_logprobs(msg.prompt_logprobs, lp)
         last = outputs[-1]
         if first and not last.finished:
             msg.usage.prompt_tokens = last.num_prompt_tokens
@@ -304,6 +311,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return msg
 
 
+def _add_logprobs(field, lp: TokenLogprobs) -> None:
+    """Appends `lp` to the repeated Logprobs `field` (token ids only: the frontend adds text)."""
+    entry = field.add(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank)
+    for tid, val in lp.top:
+        entry.top.add(token_id=tid, logprob=val)
+
+
 # The status of a request the scheduler ended with ERROR, by its reason: what the client should do
 # (fix what it sent, retry); a reason not listed is an engine fault (INTERNAL).
 ERROR_STATUS = {
@@ -311,6 +325,7 @@ ERROR_STATUS = {
     SchedulerReason.KV_PRODUCER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     SchedulerReason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     SchedulerReason.KV_LEASES_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    SchedulerReason.INVALID_STRUCTURED_OUTPUT: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 

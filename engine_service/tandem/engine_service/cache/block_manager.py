@@ -243,8 +243,10 @@ class BlockManager:
 
     def lookup(self, seq: Sequence, state_loaded: bool = False) -> Hit:
         """The largest hit valid in every group, the hashes of its blocks, and the hit the
-        paged groups alone would give. No side effects."""
-        if not self.enable_prefix_caching:
+        paged groups alone would give. No side effects. A request asking for prompt logprobs
+        never hits (as in vLLM): every prompt position must be computed to report its logprob.
+        Its own blocks are still committed for the requests after it."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return NO_HIT
         tokens = seq.token_ids
         bs = self.block_size

@@ -15,6 +15,12 @@ The scheduler side and the worker side meet only through a `StepPlan` (step_plan
 step the `StepPlanBuilder` turns the scheduler's output into a plan (new requests whole, cached
 ones as deltas, drops), the `StepWorker` applies it to its persistent rows and runs it, and hands
 back sampled token ids; appending them to the `Sequence`s, stop checks and outputs stay here.
+
+Structured output: a constrained request's matcher compiles on the `GrammarCompiler`'s threads
+while the request waits in the scheduler; each step, the sampled constrained sequences' matchers
+fill the plan's token bitmask (after the step in flight finished: like penalties, a matcher
+needs every earlier token), and every read-back token advances its sequence's matcher before
+the stop check. With no constrained request alive none of this runs.
 """
 
 from __future__ import annotations
@@ -35,6 +41,12 @@ from tandem.engine_service.worker.sampler import Sampler
 from tandem.engine_service.core.scheduler import Scheduler, SchedulerOutput
 from tandem.engine_service.sequence import FinishReason, SamplingParams, Sequence
 from tandem.engine_service.core.stopping import check_stop
+from tandem.engine_service.grammar.bitmask import fill_bitmask, num_words
+from tandem.engine_service.grammar.compiler import GrammarCompiler
+from tandem.engine_service.step_plan import TokenBitmask
+from tandem.engine_service.dummy_configs import get_dummy_config
+from tandem.engine_service.worker.tokenizer_files import dummy_tokenizer_dir
+from tandem.model_spec import DUMMY_PREFIX
 from tandem.engine_service.worker.worker import StepWorker, WorkerStep
 
 log = structlog.get_logger(__name__)
@@ -110,6 +122,10 @@ class LLMEngine:
         mode = config.scheduler.overlap_scheduling
         self.overlap = mode == "on" or (mode == "auto" and self.runner.device.type == "cuda")
         self._in_flight: LaunchedStep | None = None
+        # Structured output: the compiler (made on the first constrained request) and the ids of
+        # the constrained requests alive (empty: steps skip every structured-output check).
+        self._grammars: GrammarCompiler | None = None
+        self._constrained: set[str] = set()
 
     # -- capacity ----------------------------------------------------------------------------
     @property
@@ -134,14 +150,37 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                        arrival_time=arrival_time, kv_transfer_params=kv_transfer_params, deadline=deadline)
         refused = self.kv.scheduler.reserve_lease(seq, caller) if self.kv is not None else None
+        so = params.structured_output
         if refused is not None:  # a prefill leg past the lease caps: ends before it runs
             self.scheduler.add_refused(seq, refused)
+        elif so is not None:  # waits in the scheduler until its matcher compiled
+            prefix = prompt_token_ids[len(prompt_token_ids) - so.num_constrained_prompt_tokens:] \
+                if so.num_constrained_prompt_tokens else []
+            self.scheduler.add_compiling(seq, self.grammar_compiler().submit(so, prefix))
+            self._constrained.add(request_id)
         else:
             self.scheduler.add(seq)
         self.counters.prompt_tokens += len(prompt_token_ids)
         return seq
 
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler, made on first use (the model's vocabulary loads on its
+        threads, from `tokenizer_path()`)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer_path(), self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def tokenizer_path(self) -> str | None:
+        """The model's directory, or for dummy weights the tokenizer that fits their vocabulary."""
+        if self.runner.model_path:
+            return str(self.runner.model_path)
+        model = self.config.model
+        if not model.model.startswith(DUMMY_PREFIX):
+            return None
+        return str(dummy_tokenizer_dir(get_dummy_config(model.model[len(DUMMY_PREFIX):]), model.cache_dir))
+
     def abort(self, request_id: str) -> Sequence | None:
+        self._constrained.discard(request_id)
         seq = self.scheduler.abort(request_id)
         if self.kv is not None:
             # A prefill leg aborted after it finished (the client left before the decode leg).
@@ -189,9 +228,13 @@ class LLMEngine:
         self.kv.scheduler.sweep()
 
     def close(self) -> None:
-        """Stop the KV pull server and cancel KV loads (the model itself needs no closing)."""
+        """Stop the KV pull server, cancel KV loads and stop the grammar compiler's threads (the model
+        itself needs no closing)."""
         if self.kv is not None:
             self.kv.close()
+        if self._grammars is not None:
+            self._grammars.close()
+
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Schedule and launch one step; report the tokens of the step that completed (this one,
@@ -203,8 +246,11 @@ class LLMEngine:
             outputs[seq.request_id] = self._output(seq)
         previous, self._in_flight = self._in_flight, None
         if plan.scheduled:
-            # Penalties count every earlier token: they cannot sample past a pending one.
-            if previous is not None and any(item.seq.params.uses_penalties for item in plan.scheduled if item.sample):
+            # Penalties count every earlier token, a matcher must have consumed them: neither
+            # can sample past a pending one.
+            if previous is not None and (
+                    any(item.seq.params.uses_penalties for item in plan.scheduled if item.sample)
+                    or (self._constrained and any(item.seq.grammar is not None for item in plan.scheduled if item.sample))):
                 self._finish(previous, outputs)
                 previous = None
             launched = self._launch(plan, previous)
@@ -223,6 +269,8 @@ class LLMEngine:
                 self.kv.worker.wait(0.005)  # only loads to wait for: do not spin
             elif not outputs and self._in_flight is None and self.scheduler.blocked_on_leases:
                 time.sleep(LEASE_WAIT_S)  # only a lease's end can admit the head: do not spin
+            elif not outputs and self._in_flight is None and self.scheduler.compiling:
+                self.scheduler.wait_for_compiling(LEASE_WAIT_S)  # only grammars to wait for: do not spin
         return list(outputs.values())
 
     def _with_kv(self, plan):
@@ -236,6 +284,8 @@ class LLMEngine:
         for item in plan.scheduled:
             self._first_scheduled.setdefault(item.seq.request_id, now)
         planned = self.plan_builder.build(plan)
+        if self._constrained:
+            planned.plan.grammar_bitmask = self._grammar_bitmask(planned.sampling)
         worker_step = self.worker.launch(self._with_kv(planned.plan),
                                          previous.worker_step if previous is not None else None)
         self.scheduler.begin_step(plan)
@@ -246,14 +296,33 @@ class LLMEngine:
             self.counters.steps += 1
         return LaunchedStep(plan, sampling, worker_step)
 
+    def _grammar_bitmask(self, sampling: list[Sequence]) -> TokenBitmask | None:
+        """The allowed next tokens of the sampled constrained sequences (None if there are none).
+        A sequence that ended meanwhile (its last token finished it) samples a token that is
+        dropped: it needs no mask."""
+        rows = [i for i, seq in enumerate(sampling) if seq.grammar is not None and not seq.is_finished]
+        if not rows:
+            return None
+        matchers = []
+        for i in rows:
+            seq = sampling[i]
+            seq.grammar.sync(seq.output_token_ids)
+            matchers.append(seq.grammar)
+        vocab = self.vocab_size
+        return TokenBitmask(rows=rows, num_words=num_words(vocab), words=fill_bitmask(matchers, vocab).tobytes())
+
     def _finish(self, step: LaunchedStep, outputs: dict[str, StepOutput]) -> None:
         """Wait for `step`'s tokens; append them, check stops, fill `outputs`, release blocks."""
         sampled = self.worker.collect(step.worker_step) if step.worker_step is not None else None
+        if step.worker_step is not None and step.worker_step.prompt_logprobs is not None:
+            self._add_prompt_logprobs(step, outputs)
         if sampled is not None:
             for seq, token_id, lp in zip(step.sampling, sampled.token_ids, sampled.logprobs):
                 if seq.is_finished:
                     continue  # aborted, or ended by an earlier token while this one was computed
                 seq.confirm_token(token_id)
+                if seq.grammar is not None:
+                    seq.grammar.accept(token_id)
                 check_stop(seq, self.max_model_len)
                 o = outputs.get(seq.request_id) or outputs.setdefault(seq.request_id, self._output(seq))
                 o.new_token_ids.append(token_id)
@@ -262,6 +331,17 @@ class LLMEngine:
                 if seq.is_finished:
                     self._fill_ending(o, seq)
         self.scheduler.end_step(step.plan)
+
+    def _add_prompt_logprobs(self, step: LaunchedStep, outputs: dict[str, StepOutput]) -> None:
+        """The prompt logprobs `step`'s prefill chunks computed, onto their requests' outputs
+        (before the first token, which the last chunk's step samples)."""
+        scheduled = {item.seq.request_id: item.seq for item in step.plan.scheduled}
+        for request_id, entries in self.worker.collect_prompt_logprobs(step.worker_step).items():
+            seq = scheduled.get(request_id)
+            if seq is None or seq.is_finished:
+                continue  # aborted while the step ran
+            o = outputs.get(request_id) or outputs.setdefault(request_id, self._output(seq))
+            o.new_prompt_logprobs.extend(entries)
 
     def _output(self, seq: Sequence) -> StepOutput:
         o = StepOutput(
@@ -297,6 +377,7 @@ class LLMEngine:
     def _forget_finished(self, outputs: dict[str, StepOutput]) -> None:
         for o in outputs.values():
             if o.finished:
+                self._constrained.discard(o.request_id)
                 self.plan_builder.drop(o.request_id)
                 self.counters.finished_requests += 1
                 self._first_scheduled.pop(o.request_id, None)

@@ -38,6 +38,8 @@ append tokens synchronously.
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -116,6 +118,11 @@ class Scheduler:
     (deadline_exceeded) and frees its blocks and slot, so an expired request is never admitted
     and a running one stops consuming steps.
 
+    Structured output: a request whose constraint is still compiling (`add_compiling`, a future
+    from the engine's `GrammarCompiler`) waits in `compiling`, outside the queue, so it holds up
+    nobody; each `schedule` first moves the finished compilations into `waiting` (matcher
+    attached) or ends them with ERROR (invalid_structured_output).
+
     `running` and `waiting` are exposed for inspection; callers must not mutate them.
     """
 
@@ -150,6 +157,8 @@ class Scheduler:
         self._clock = time.monotonic
         # How many live sequences carry a deadline (0: `schedule` skips looking for expired ones).
         self._num_deadlines = 0
+        # Requests whose structured-output matcher is being compiled (arrival order).
+        self.compiling: dict[str, tuple[Sequence, Future]] = {}
 
     # -- requests ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -183,6 +192,37 @@ class Scheduler:
         self._requests[seq.request_id] = seq
         self._failed_loads.append((seq, stop))
 
+    def add_compiling(self, seq: Sequence, matcher: Future) -> None:
+        """Takes a constrained request whose matcher `matcher` is still compiling: it joins the
+        queue once the future is done (see the class docstring)."""
+        if seq.request_id in self._requests:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        seq.status = SequenceStatus.COMPILING
+        self._requests[seq.request_id] = seq
+        self.compiling[seq.request_id] = (seq, matcher)
+        self._num_deadlines += seq.deadline is not None
+
+    def wait_for_compiling(self, timeout: float) -> None:
+        """Block up to `timeout` seconds for a compilation to finish (an engine with nothing
+        else to do waits here instead of spinning)."""
+        if self.compiling:
+            wait_futures([f for _, f in self.compiling.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def _take_compiled(self, out: SchedulerOutput) -> None:
+        """Moves every request whose matcher is ready into the queue; a failed compilation ends
+        its request with ERROR (invalid_structured_output, llguidance's message)."""
+        for rid, (seq, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[rid]
+            try:
+                seq.grammar = future.result()
+            except Exception as exc:  # InvalidStructuredOutput, or anything llguidance raised
+                self._finish_error(out, seq, SchedulerStop(SchedulerReason.INVALID_STRUCTURED_OUTPUT, str(exc)))
+                continue
+            seq.status = SequenceStatus.WAITING
+            self._enqueue(seq)
+
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
 
@@ -195,6 +235,8 @@ class Scheduler:
             self._failed_loads = [(s, stop) for s, stop in self._failed_loads if s is not seq]
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.COMPILING:
+            self.compiling.pop(request_id)[1].cancel()
         elif seq.status == SequenceStatus.LOADING_KV:
             del self.loading[request_id]
             assert self.kv_connector is not None
@@ -212,15 +254,17 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Queued requests, those whose constraint still compiles included."""
+        return len(self.waiting) + len(self.compiling)
 
     @property
     def waiting_tokens(self) -> int:
         """Tokens the waiting sequences still have to compute (for bounding the queue)."""
-        return sum(seq.num_uncomputed_tokens for seq in self.waiting)
+        waiting = sum(seq.num_uncomputed_tokens for seq in self.waiting)
+        return waiting + sum(seq.num_uncomputed_tokens for seq, _ in self.compiling.values()) if self.compiling else waiting
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self._failed_loads)
+        return bool(self.waiting or self.running or self.loading or self._failed_loads or self.compiling)
 
     def loads_done(self, report: KVLoadReport) -> None:
         """The worker's KV load report: loaded requests join `running` with their computed count
@@ -242,6 +286,8 @@ class Scheduler:
         for seq, stop in self._failed_loads:
             self._finish_error(out, seq, stop)
         self._failed_loads.clear()
+        if self.compiling:
+            self._take_compiled(out)
         if self._num_deadlines:
             self._end_expired(out)
         budget = self.config.max_num_batched_tokens
@@ -270,6 +316,8 @@ class Scheduler:
                 continue  # ended by a token not yet passed to end_step: it ends there
             if seq.status == SequenceStatus.WAITING:
                 self.waiting.remove(seq)
+            elif seq.status == SequenceStatus.COMPILING:
+                self.compiling.pop(seq.request_id)[1].cancel()
             elif seq.status == SequenceStatus.LOADING_KV:
                 del self.loading[seq.request_id]
                 assert self.kv_connector is not None

@@ -7,7 +7,11 @@ Rules, in order of precedence (the first that holds decides the finish reason):
 3. A token in ``params.stop_token_ids`` (applies even with ``ignore_eos``): STOP, same reason.
 4. The output ends with ``params.stop_token_sequences[i]``: STOP, stop_reason = ``StopSequence(i)``
    (the first listed sequence that matches wins).
-5. ``num_output_tokens >= max_tokens`` or ``num_known_tokens >= max_model_len``: LENGTH.
+5. Structured output (``seq.grammar``): the output left the constraint (only possible when
+   every allowed token was masked otherwise, e.g. by ``logit_bias``): ERROR
+   (``invalid_structured_output``); the constraint is complete and admits nothing more: STOP,
+   stop_reason = ``StopGrammar()``. Before ``min_tokens`` too: nothing else can follow.
+6. ``num_output_tokens >= max_tokens`` or ``num_known_tokens >= max_model_len``: LENGTH.
 
 With overlapped scheduling a later token may already be pending (sampled, not read back) when
 this one is checked; only known tokens count, so the decision is the same as without overlap.
@@ -23,7 +27,7 @@ token is bounded by the stop sequences' total length, never by the output's leng
 
 from __future__ import annotations
 
-from tandem.core_protocol import StopSequence, StopToken
+from tandem.core_protocol import SchedulerReason, SchedulerStop, StopGrammar, StopSequence, StopToken
 from tandem.engine_service.sequence import FinishReason, Sequence
 
 
@@ -49,6 +53,16 @@ def check_stop(seq: Sequence, max_model_len: int) -> bool:
             if 0 < length <= num_output and stop_seq[-1] == last and output[-length:] == stop_seq:
                 seq.finish(FinishReason.STOP, StopSequence(index))
                 return True
+
+    grammar = seq.grammar
+    if grammar is not None and num_output > 0:
+        if grammar.is_error:
+            seq.finish(FinishReason.ERROR, SchedulerStop(SchedulerReason.INVALID_STRUCTURED_OUTPUT,
+                                                         f"the output left the constraint: {grammar.error}"))
+            return True
+        if grammar.is_terminated:
+            seq.finish(FinishReason.STOP, StopGrammar())
+            return True
 
     if num_output >= params.max_tokens or seq.num_known_tokens >= max_model_len:
         seq.finish(FinishReason.LENGTH)

@@ -176,7 +176,16 @@ class ModelRunner:
             return self.cuda_graphs.run(host, self._staging, previous_tokens)
         if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(host):
             return self.piecewise_graphs.run(host, self._staging, previous_tokens)
+        logits, _ = self.forward_eager(host, previous_tokens)
+        return logits
+
+    @torch.inference_mode()
+    def forward_eager(self, host: HostInputs, previous_tokens: torch.Tensor | None = None,
+                      hidden_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` without graphs; also the hidden states at the step's flat token indices
+        `hidden_rows` (None: none), which prompt logprobs are computed from."""
         inputs = host_to_device(host, self.device, self._staging, previous_tokens)
         md = inputs.metadata
         hidden = self.model(inputs.input_ids, md.positions, self.layer_caches, md)
-        return self.model.compute_logits(hidden.index_select(0, md.logits_indices)).float()
+        logits = self.model.compute_logits(hidden.index_select(0, md.logits_indices)).float()
+        return logits, (hidden.index_select(0, hidden_rows) if hidden_rows is not None else None)

@@ -6,7 +6,10 @@ Processing order for every row (vectorised across the batch, per-row parameters 
    stop it (its EOS ids unless ``ignore_eos``, and its ``stop_token_ids``) are masked to -inf.
 2. Repetition penalty (Hugging Face semantics) over prompt + output tokens, then presence and
    frequency penalties (OpenAI semantics) over output tokens only. Greedy rows get them too.
-3. Greedy rows (temperature == 0) take the argmax here. Other rows go on: temperature, top-k,
+3. Structured output: a step whose plan carries a `TokenBitmask` masks to -inf, on the device,
+   every token its constrained rows' matchers do not allow (`apply_token_bitmask`). A step
+   without one runs none of this: not a branch more than before per row.
+4. Greedy rows (temperature == 0) take the argmax here. Other rows go on: temperature, top-k,
    top-p (relative to the top-k-truncated distribution, as Hugging Face and vLLM do), min-p,
    then one draw with the exponential race ``argmax(probs / q), q ~ Exp(1)``.
 
@@ -37,7 +40,13 @@ from typing import Protocol
 
 import torch
 
+import numpy as np
+
 from tandem.core_protocol import LOGIT_BAN, SamplingParams, TokenLogprobs
+from tandem.engine_service.step_plan import TokenBitmask
+from tandem.engine_service.worker.host_copy import HostCopy
+from tandem.engine_service.worker.host_copy import pinned_to_device as _host_to_device
+from tandem.engine_service.worker.host_copy import values_to_device as _to_device
 from tandem.kernels.sampling import apply_top_k_top_p_min_p, apply_top_k_top_p_min_p_reference
 
 
@@ -92,9 +101,11 @@ class Sampler:
         """Sample and wait for the result on the host."""
         return self.sample_async(logits, seqs).result()
 
-    def sample_async(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> PendingSample:
+    def sample_async(self, logits: torch.Tensor, seqs: list[SamplingRow],
+                     bitmask: TokenBitmask | None = None) -> PendingSample:
         """Queue the sampling on the logits' device and start copying the result to the host;
-        returns without waiting (no host sync on CUDA). `seqs` are read now, not later."""
+        returns without waiting (no host sync on CUDA). `seqs` are read now, not later.
+        `bitmask`: the allowed tokens of the structured-output rows (step_plan.TokenBitmask)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         if logits.shape[0] != len(seqs):
@@ -110,6 +121,8 @@ class Sampler:
             return PendingSample(torch.zeros(0, dtype=torch.long, device=device), None, params)
 
         work = _apply_logit_bias(self._apply_logit_masks_and_penalties(raw, seqs), raw, seqs)
+        if bitmask is not None:
+            work = _apply_plan_bitmask(work, raw, bitmask)
 
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -274,35 +287,25 @@ class PendingSample:
             parts += [logprobs.chosen, logprobs.ranks]
             if logprobs.top_vals is not None:
                 parts += [logprobs.top_vals, logprobs.top_ids]
-        self._event: torch.cuda.Event | None = None
-        if token_ids.device.type == "cuda":
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
-            for host, t in zip(self._host, parts):
-                host.copy_(t, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(token_ids.device))
-        else:
-            self._host = parts
+        self._copy = HostCopy(parts)
         self._result: SamplerOutput | None = None
 
     def ready(self) -> bool:
         """Whether `result()` would return without waiting."""
-        return self._event is None or self._event.query()
+        return self._copy.ready()
 
     def result(self) -> SamplerOutput:
         if self._result is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._result = self._build()
+            self._result = self._build(self._copy.wait())
         return self._result
 
-    def _build(self) -> SamplerOutput:
-        token_ids = self._host[0].tolist()
+    def _build(self, host: list[torch.Tensor]) -> SamplerOutput:
+        token_ids = host[0].tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         if self._logprob_rows:
-            chosen, ranks = self._host[1].tolist(), self._host[2].tolist()
-            top_vals = self._host[3].tolist() if len(self._host) > 3 else None
-            top_ids = self._host[4].tolist() if len(self._host) > 4 else None
+            chosen, ranks = host[1].tolist(), host[2].tolist()
+            top_vals = host[3].tolist() if len(host) > 3 else None
+            top_ids = host[4].tolist() if len(host) > 4 else None
             for j, i in enumerate(self._logprob_rows):
                 n = self._params[i].logprobs or 0
                 top = list(zip(top_ids[j][:n], top_vals[j][:n])) if n > 0 and top_ids is not None else []
@@ -335,16 +338,35 @@ def _apply_logit_bias(work: torch.Tensor, raw: torch.Tensor, seqs: list[Sampling
     return work
 
 
-def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on `device` without a host sync: a plain `.to()` from pageable memory
-    waits for the device's queue to drain, which would stall an overlapped step."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+def _apply_plan_bitmask(work: torch.Tensor, raw: torch.Tensor, bitmask: TokenBitmask) -> torch.Tensor:
+    """`work` with the plan's token bitmask applied (a copy when `work` is `raw`, which the
+    logprobs read): the packed words travel to the device (pinned, asynchronous), are unpacked
+    there and mask the constrained rows."""
+    if work is raw:
+        work = raw.clone()
+    device = work.device
+    words = torch.from_numpy(np.frombuffer(bitmask.words, dtype="<i4").reshape(len(bitmask.rows), bitmask.num_words).copy())
+    apply_token_bitmask(work, _to_device(bitmask.rows, torch.long, device), _host_to_device(words, device))
+    return work
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return _host_to_device(torch.tensor(values, dtype=dtype), device)
+_BIT_VALUES: dict[torch.device, torch.Tensor] = {}  # int32 1 << k for k in 0..31 (bit 31 is the sign)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> None:
+    """In place: for each i, `logits[rows[i], t] = -inf` for every token t whose bit
+    (t % 32 of int32 word t // 32 of `words[i]`) is 0. All device ops, no host sync; `words`
+    may cover more ids than `logits` has columns (the padding bits are ignored)."""
+    device = logits.device
+    bits = _BIT_VALUES.get(device)
+    if bits is None:
+        bits = _BIT_VALUES[device] = torch.tensor([1 << k for k in range(31)] + [-(1 << 31)], dtype=torch.int32,
+                                                  device=device)
+    vocab = logits.shape[1]
+    allowed = ((words.unsqueeze(-1) & bits) != 0).reshape(words.shape[0], -1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        raise ValueError(f"a bitmask of {allowed.shape[1]} ids for logits of {vocab} columns")
+    logits[rows] = logits[rows].masked_fill(~allowed, -math.inf)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -17,6 +17,13 @@ import torch
 from tandem.engine_service.kv_connector.metadata import KVLoadReport
 from tandem.engine_service.kv_connector.worker_side import KVConnectorWorker
 from tandem.engine_service.worker.model_runner import ModelRunner
+from tandem.core_protocol import TokenLogprobs
+from tandem.engine_service.worker.prompt_logprobs import (
+    PendingPromptLogprobs,
+    compute_prompt_logprobs,
+    hidden_rows,
+    take_prompt_logprob_spans,
+)
 from tandem.engine_service.worker.sampler import PendingSample, Sampler, SamplerOutput
 from tandem.engine_service.step_plan import StepPlan
 from tandem.engine_service.worker.worker_rows import RequestRow, StepBatch, WorkerRows, host_inputs_from_rows
@@ -24,11 +31,13 @@ from tandem.engine_service.worker.worker_rows import RequestRow, StepBatch, Work
 
 @dataclass
 class WorkerStep:
-    """A launched step: its batch, the rows it samples (sampled-row order) and their tokens."""
+    """A launched step: its batch, the rows it samples (sampled-row order) and their tokens, and
+    the prompt logprobs its prefill chunks compute."""
 
     batch: StepBatch
     sampling: list[RequestRow]
     sample: PendingSample | None
+    prompt_logprobs: PendingPromptLogprobs | None = None
 
     @property
     def token_ids(self) -> torch.Tensor | None:
@@ -84,16 +93,28 @@ class StepWorker:
         # saves copy the slots the forward wrote (same stream, so in this order on the device).
         if plan.state_copies_before:
             self.runner.copy_state_slots(plan.state_copies_before)
-        logits = self.execute(batch, previous)
+        spans = take_prompt_logprob_spans(batch) if self.rows.num_prompt_logprob_rows else None
+        prompt_logprobs = None
+        if spans:  # the forward also keeps the hidden states the prompt logprobs come from
+            host = host_inputs_from_rows(batch, self.runner.block_size)
+            logits, hidden = self.runner.forward_eager(host, previous.token_ids if previous is not None else None,
+                                                       hidden_rows(spans, self.runner.device))
+            prompt_logprobs = compute_prompt_logprobs(hidden, spans, self.runner.model.compute_logits,
+                                                      self.runner.vocab_size)
+        else:
+            logits = self.execute(batch, previous)
         if plan.state_copies_after:
             self.runner.copy_state_slots(plan.state_copies_after)
         sampling = batch.sampling_rows
         sample = None
         if sampling:
-            sample = self.sampler.sample_async(logits, sampling)
+            if plan.grammar_bitmask is None:
+                sample = self.sampler.sample_async(logits, sampling)
+            else:  # structured output: the constrained rows' token masks, applied on the device
+                sample = self.sampler.sample_async(logits, sampling, bitmask=plan.grammar_bitmask)
             for i, row in enumerate(sampling):
                 row.mark_pending(i)
-        return WorkerStep(batch, sampling, sample)
+        return WorkerStep(batch, sampling, sample, prompt_logprobs)
 
     def collect(self, step: WorkerStep) -> SamplerOutput | None:
         """Wait for `step`'s sampled tokens and append them to the rows still held."""
@@ -104,3 +125,8 @@ class StepWorker:
         for row, token_id in zip(step.sampling, result.token_ids):
             row.confirm_token(token_id)
         return result
+
+    @staticmethod
+    def collect_prompt_logprobs(step: WorkerStep) -> dict[str, list[TokenLogprobs]]:
+        """`step`'s prompt logprobs per request id, positions in order (empty: none asked)."""
+        return step.prompt_logprobs.result() if step.prompt_logprobs is not None else {}

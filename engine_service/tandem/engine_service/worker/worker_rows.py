@@ -46,6 +46,9 @@ class RequestRow(PendingTokens):
     num_pending_tokens: int = 0
     pending_row: int = -1
     generator: torch.Generator | None = field(default=None, repr=False)
+    # The last prompt position whose prompt logprob a launched step computes (prompt_logprobs.py):
+    # a prompt recomputed after a preemption reports none twice.
+    prompt_logprobs_done: int = 0
 
     @classmethod
     def from_plan(cls, req: NewRequest) -> RequestRow:
@@ -127,6 +130,8 @@ class WorkerRows:
     def __init__(self, num_cache_groups: int = 1) -> None:
         self.num_cache_groups = num_cache_groups
         self._rows: dict[str, RequestRow] = {}
+        # How many held rows ask for prompt logprobs (0: a step skips looking for their spans).
+        self.num_prompt_logprob_rows = 0
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -147,7 +152,9 @@ class WorkerRows:
             raise ValueError(f"plan has {plan.num_cache_groups} cache groups, the worker {self.num_cache_groups}")
         rows = self._rows
         for rid in plan.finished_req_ids:
-            rows.pop(rid, None)
+            row = rows.pop(rid, None)
+            if row is not None and row.params.prompt_logprobs is not None:
+                self.num_prompt_logprob_rows -= 1
         for rid in plan.preempted_req_ids:
             row = self._require(rid)
             row.block_ids = [[] for _ in range(self.num_cache_groups)]
@@ -191,6 +198,8 @@ class WorkerRows:
             if len(req.block_ids) != groups:
                 raise ValueError(f"{req.request_id}: block ids for {len(req.block_ids)} cache groups")
             row = rows[req.request_id] = RequestRow.from_plan(req)
+            if row.params.prompt_logprobs is not None:
+                self.num_prompt_logprob_rows += 1
             batch_rows.append(row)
             num_scheduled.append(req.num_scheduled_tokens)
             sample.append(req.sample)
