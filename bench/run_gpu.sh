@@ -83,7 +83,9 @@ for part in "$@"; do
           timeout 100 $PY bench/probes/structured_output_probe.py dummy:qwen3-0.6b --modes unconstrained --batches 1,64,256 | sed "s/^/$side-$round /"
       done; done ;;
     # Structured output's own cost: all constrained and half constrained against unconstrained.
-    so-modes) timeout 150 $PY bench/probes/structured_output_probe.py dummy:qwen3-0.6b --batches 1,64,256 ;;
+    # Dummy weights get a word-level tokenizer here (no embedded model), which llguidance cannot
+    # read: carry .tok/tokenizer.json (the embedded SmolLM2's, from the dev machine's cache).
+    so-modes) timeout 150 $PY bench/probes/structured_output_probe.py dummy:qwen3-0.6b --batches 1,64,256 --tokenizer .tok/tokenizer.json ;;
     # Host time per step with a model-free runner, against the Qwen3-8B batch-256 step (roofline).
     overhead) timeout 120 $PY -m tandem.cli bench overhead --batches 64,256 --gpu-step-ms "${GPU_STEP_MS:-16.4}" --out "$OUT" ;;
     # Issue 11: the hybrid models against transformers' own classes (reference vs Triton eager vs graphs), in parallel.

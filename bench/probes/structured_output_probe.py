@@ -25,13 +25,18 @@ p.add_argument("--steps", type=int, default=64)
 p.add_argument("--prompt-len", type=int, default=128)
 p.add_argument("--modes", default="unconstrained,constrained,half")
 p.add_argument("--seeded", action="store_true", help="a seed per request (the sampler's per-row generators)")
+p.add_argument("--tokenizer", help="a tokenizer.json (or its folder) for the constraints: dummy weights on a machine "
+                                   "without the embedded model get a word-level tokenizer, which llguidance cannot read")
 a = p.parse_args()
 batches = [int(b) for b in a.batches.split(",")]
 cfg = EngineConfig(ModelConfig(model=a.model, max_model_len=a.prompt_len + a.steps + 64),
                    CacheConfig(), SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192))
 eng = LLMEngine(cfg)
-sync = torch.cuda.synchronize if eng.runner.device.type == "cuda" else (lambda: None)
 has_so = hasattr(SamplingParams, "__struct_fields__") and "structured_output" in SamplingParams.__struct_fields__
+if a.tokenizer and has_so:
+    from tandem.engine_service.grammar.compiler import GrammarCompiler
+    eng._grammars = GrammarCompiler(a.tokenizer, eng.vocab_size, eng.eos_token_ids)
+sync = torch.cuda.synchronize if eng.runner.device.type == "cuda" else (lambda: None)
 
 
 def params(constrained: bool, seed: int) -> SamplingParams:
@@ -68,6 +73,13 @@ def run(mode: str, batch: int, tag: str) -> dict:
         ended += sum(o.finished for o in eng.step())
     sync()
     ms = (time.perf_counter() - start) * 1e3 / a.steps
+    # Every request must still be decoding, or the window timed a smaller batch (a constraint
+    # that failed to compile ends its request at once).
+    alive = [rid for rid in ids if (seq := eng.scheduler.get(rid)) is not None and not seq.is_finished]
+    if len(alive) != batch:
+        ended_early = next((eng.scheduler.get(rid) for rid in ids if rid not in alive), None)
+        raise SystemExit(f"{mode} b={batch}: {batch - len(alive)} requests ended before the window's end "
+                         f"({getattr(ended_early, 'stop_reason', None)}): no figure")
     eng.abort_and_settle(ids)
     return {"mode": mode, "batch": batch, "step_ms": round(ms, 3), "ended_in_window": ended}
 

@@ -219,3 +219,26 @@ def test_a_compiling_request_waits_aside_and_holds_up_nobody() -> None:
     assert ended == {"bad": SchedulerReason.INVALID_STRUCTURED_OUTPUT, "late": SchedulerReason.DEADLINE_EXCEEDED}
     assert "unknown name" in seqs["bad"].stop_reason.detail and late.cancelled()
     assert not sched.compiling and seqs["slow"].status is SequenceStatus.RUNNING
+
+
+def test_a_tokenizer_without_byte_decoding_is_a_clear_invalid_argument(tmp_path) -> None:
+    """Dummy weights with a small vocabulary get a word-level tokenizer, which llguidance cannot
+    map to bytes: a constrained request on them ends with invalid_structured_output saying so,
+    and the engine goes on serving unconstrained requests."""
+    cfg = EngineConfig(ModelConfig(model="dummy:tiny-qwen3", max_model_len=128, cache_dir=str(tmp_path)),
+                       CacheConfig(), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    engine = LLMEngine(cfg)
+    try:
+        engine.add_request("so", [5, 6, 7], SamplingParams(max_tokens=4, structured_output=SMALL_JSON))
+        engine.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+        ended = {}
+        for _ in range(50):
+            ended.update({o.request_id: o for o in engine.step() if o.finished})
+            if len(ended) == 2:
+                break
+        assert ended["so"].finish_reason == FinishReason.ERROR
+        assert "needs a tokenizer whose tokens map to bytes" in ended["so"].stop_reason.detail
+        assert "tokenizer.json" in ended["so"].stop_reason.detail
+        assert ended["plain"].finish_reason == FinishReason.LENGTH and ended["plain"].num_output_tokens == 4
+    finally:
+        engine.close()

@@ -26,9 +26,6 @@ from tandem.core_protocol import (
     UtilityResult,
 )
 from tandem.engine_service.core.engine import LLMEngine
-from tandem.engine_service.dummy_configs import get_dummy_config
-from tandem.engine_service.worker.tokenizer_files import dummy_tokenizer_dir
-from tandem.model_spec import DUMMY_PREFIX
 
 log = structlog.get_logger(__name__)
 
@@ -55,19 +52,8 @@ def core_info(engine: LLMEngine) -> CoreInfo:
         kv_capacity_tokens=engine.kv_capacity_tokens,
         enable_prefix_caching=bm.enable_prefix_caching,
         kv_transfer=engine.kv.info() if engine.kv is not None else None,
-        tokenizer_path=_tokenizer_path(engine),
+        tokenizer_path=engine.tokenizer_path(),
     )
-
-
-def _tokenizer_path(engine: LLMEngine) -> str | None:
-    """The model's directory, or for dummy weights the tokenizer that fits their vocabulary."""
-    runner = engine.runner
-    if runner.model_path:
-        return str(runner.model_path)
-    model = engine.config.model
-    if not model.model.startswith(DUMMY_PREFIX):
-        return None
-    return str(dummy_tokenizer_dir(get_dummy_config(model.model[len(DUMMY_PREFIX):]), model.cache_dir))
 
 
 class EngineCore:

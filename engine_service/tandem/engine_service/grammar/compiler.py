@@ -83,4 +83,8 @@ def load_vocabulary(tokenizer_path: Path | None, vocab_size: int, eos_token_ids:
     path = tokenizer_path / "tokenizer.json" if tokenizer_path.is_dir() else tokenizer_path
     if not path.is_file():
         raise InvalidStructuredOutput(f"structured output needs the model's tokenizer.json ({path} is missing)")
-    return llguidance.LLTokenizer(str(path), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+    try:
+        return llguidance.LLTokenizer(str(path), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+    except ValueError as exc:  # e.g. the word-level tokenizer of small dummy models: no byte decoding
+        raise InvalidStructuredOutput(f"structured output needs a tokenizer whose tokens map to bytes (byte-level or "
+                                      f"byte-fallback); llguidance cannot read {path}: {exc}") from None
