@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import grpc
 import pytest
 
 from tandem.frontend import engine_discovery as d
 from tandem.frontend.engine_pool import EnginePool
-from tandem.v1 import engine_pb2
+from tandem.v1 import common_pb2, engine_pb2
 
 
 def closed_port() -> int:
@@ -106,6 +107,23 @@ def test_a_returning_address_stops_draining() -> None:
         dns.records = ["127.0.0.1"]
         await pool.refresh()
         assert pool.replicas == [replica] and not replica.draining
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_a_replica_closed_under_a_stats_round_answers_unavailable() -> None:
+    """A replica the pool drops (and closes) while a caller still holds it from its list: its
+    Utility call is UNAVAILABLE naming it, which STATS and GetLoads report per replica, not
+    grpc's UsageError, which ended a whole STATS call with UNKNOWN (seen in CI)."""
+
+    async def run() -> None:
+        pool = EnginePool([f"127.0.0.1:{closed_port()}"])
+        replica = pool.replicas[0]
+        await replica.channel.close()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await replica.utility(common_pb2.UTILITY_COMMAND_STATS)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and replica.address in err.value.details()
         await pool.close()
 
     asyncio.run(run())

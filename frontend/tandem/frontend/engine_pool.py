@@ -78,9 +78,16 @@ class EngineReplica:
         return self.stub.Stream(request, timeout=timeout, metadata=metadata)
 
     async def utility(self, command: int, request_id: str = "", timeout: float = 10.0) -> dict:
-        resp = await self.stub.Utility(
-            common_pb2.UtilityRequest(command=command, request_id=request_id), timeout=timeout
-        )
+        """The engine's Utility answer. A replica the pool closed after the caller listed it (its
+        name stopped listing it while a STATS round went over the replicas) raises UNAVAILABLE,
+        as an unreachable engine does, rather than grpc's UsageError."""
+        try:
+            resp = await self.stub.Utility(
+                common_pb2.UtilityRequest(command=command, request_id=request_id), timeout=timeout
+            )
+        except grpc.aio.UsageError:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       f"engine {self.address} left the pool (its channel is closed)") from None
         return json_format.MessageToDict(resp.result)
 
     async def check(self, timeout: float = 2.0) -> bool:
