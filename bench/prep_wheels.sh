@@ -8,8 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ../shared/tools/device-prep
 # msgspec and pyzmq: the engine core's transport; llguidance: structured output (imported by the
-# engine's sequence state).
-for pkg in msgspec pyzmq llguidance; do
+# engine's sequence state); OpenTelemetry: tracing (the API everywhere, the SDK and exporter when
+# --otlp-endpoint is given). The device image has grpcio, protobuf and typing-extensions.
+for pkg in msgspec pyzmq llguidance opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions \
+    opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common \
+    opentelemetry-proto googleapis-common-protos; do
   version=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$pkg'))")
   rm -f .whl/"${pkg}"-*.whl
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

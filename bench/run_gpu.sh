@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 # The carried wheels, then each distribution's source root (namespace package `tandem`, PEP 420).
 export PYTHONPATH=/tmp/site:$PWD/protos:$PWD/common:$PWD/frontend:$PWD/kernels:$PWD/engine_service:$PWD/tools
-python3 -c "import msgspec, zmq, structlog, llguidance" || { echo "a wheel is missing from .whl: run bench/prep_wheels.sh on the dev machine"; exit 1; }
+python3 -c "import msgspec, zmq, structlog, llguidance, opentelemetry.sdk" || { echo "a wheel is missing from .whl: run bench/prep_wheels.sh on the dev machine"; exit 1; }
 [ -f .whl/COMMIT ] && export TANDEM_GIT_COMMIT=$(cat .whl/COMMIT)
 PY="python3 -P"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"

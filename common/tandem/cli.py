@@ -32,6 +32,7 @@ from tandem.cli_options import (
     MetricsArgs,
     ServeArgs,
     ServerArgs,
+    TracingArgs,
 )
 from tandem.startup_checks import StartupError
 
@@ -91,6 +92,15 @@ def _engine_metrics_naming_argv(args) -> list[str]:
     argv = ["--metrics-names", args.metrics_names]
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
+    return argv
+
+
+def _engine_tracing_argv(args) -> list[str]:
+    """`serve`: its engine children's tracing flags (the frontend's collector; NAME-engine as
+    their service name when `--otlp-service-name NAME` is given)."""
+    argv = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
+    if args.otlp_service_name:
+        argv += ["--otlp-service-name", f"{args.otlp_service_name}-engine"]
     return argv
 
 
@@ -334,7 +344,7 @@ def cmd_serve(args) -> int:
          "--default-max-tokens", str(frontend_options.default_max_tokens),
          "--drain-timeout", str(frontend_options.drain_timeout)]
         + _engine_flags(args) + role_argv + ["--engine-core", args.engine_core] + child_security_argv
-        + metrics_argv + _engine_metrics_naming_argv(args)
+        + metrics_argv + _engine_metrics_naming_argv(args) + _engine_tracing_argv(args)
         + (["--enable-reflection"] if frontend_options.enable_reflection else []),
         env={**_child_env(args.engine_parser), **child_env, SERVE_PARENT_ENV: str(os.getpid())},
         # Their own process group: a terminal's Ctrl-C reaches this process alone, which drains
@@ -635,6 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
         options.add_flags(serve, EngineCoreArgs, title="engine core")
         options.add_flags(serve, MetricsArgs, title="metrics (the frontend's)")
         options.add_flags(serve, EngineMetricsArgs, title="metrics (the engine child's)")
+        options.add_flags(serve, TracingArgs, title="tracing (the frontend's and the engine child's)")
         add_security_args(serve, admin=True)  # clients → frontend
         add_security_args(serve, "engine-", server=True, client=True)  # frontend → engine child, both ends
         serve.set_defaults(fn=cmd_serve)
@@ -645,6 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
         options.add_flags(engine, MetricsArgs, title="metrics")
         options.add_flags(engine, EngineMetricsArgs, title="metrics")
         options.add_flags(engine, EngineCoreArgs, title="engine core")
+        options.add_flags(engine, TracingArgs, title="tracing")
         add_security_args(engine)
         engine.set_defaults(fn=cmd_engine)
         serve.set_defaults(engine_parser=engine)
@@ -665,6 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_flags(front, ServerArgs, title="frontend server")
     options.add_flags(front, FrontendArgs, title="frontend")
     options.add_flags(front, MetricsArgs, title="metrics")
+    options.add_flags(front, TracingArgs, title="tracing")
     add_security_args(front, admin=True)  # clients → frontend
     add_security_args(front, "engine-", server=False, client=True)  # frontend → engines
     front.set_defaults(fn=cmd_frontend)

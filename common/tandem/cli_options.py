@@ -164,6 +164,34 @@ class EngineMetricsArgs:
                                         "vllm:kv_cache_usage_perc, ...) as aliases", choices=("tandem", "vllm"))
 
 
+def otlp_endpoint(text: str) -> str:
+    """An `--otlp-endpoint` value (`tandem.tracing.check_otlp_endpoint`)."""
+    from tandem.tracing import check_otlp_endpoint
+
+    try:
+        return check_otlp_endpoint(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+@dataclass
+class TracingArgs:
+    """OpenTelemetry spans of one process (`tandem.tracing`): where they go and the service name
+    they carry. `serve` passes both on to its engine children, the name as NAME-engine."""
+
+    otlp_endpoint: str | None = _opt(None, "send OpenTelemetry spans over OTLP/gRPC to this collector, "
+                                           "http://HOST:PORT (plaintext) or https://HOST:PORT (TLS); off when "
+                                           "not given (no tracer: nothing recorded, client trace context "
+                                           "passed on as it came)", metavar="URL", parse=otlp_endpoint)
+    otlp_service_name: str | None = _opt(None, "service.name of this process's spans (default: tandem-frontend "
+                                               "for a frontend, tandem-engine for an engine; serve's engine "
+                                               "children get NAME-engine)", metavar="NAME")
+
+    def service_name(self, role: str) -> str:
+        """The service.name of a process in `role` (`frontend` or `engine`)."""
+        return self.otlp_service_name or f"tandem-{role}"
+
+
 @dataclass
 class ClientArgs:
     """`tandem generate` / `tandem chat`: where the server is, how long to wait, what to ask for."""

@@ -5,6 +5,11 @@ line of that call (on its task, and on tasks it starts) carries the IDs and trac
 closes it logs exactly one `request_end` line with the gRPC outcome, the latency and whatever
 the service noted (finish reasons, token counts). Per-token events are never logged.
 
+With a recording tracer (`tandem.tracing`) the scope is also one OpenTelemetry span, a child of
+the caller's: it ends with the scope and carries the ending line's fields as `tandem.*`
+attributes, its status an error for the outcomes logged as server faults. With the no-op
+tracer the span is the caller's context itself, passed on unchanged and never touched.
+
 gRPC's asyncio server runs each call in its own task, whose context is a copy: bindings cannot
 leak between calls. Unbinding on exit uses keys, not context-variable tokens, because an async
 generator may be finalised from another context, where resetting a token would raise.
@@ -18,8 +23,10 @@ from typing import Callable
 
 import grpc
 import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
 
-from tandem.tracing import TraceContext
+from tandem.tracing import NO_TRACER, log_fields, parent_context
 
 log = structlog.get_logger(__name__)
 
@@ -60,13 +67,17 @@ def _already_done(context) -> bool:
 
 
 class RequestScope:
-    """Binds one call's IDs and trace into the log context and logs its single ending line."""
+    """Binds one call's IDs and trace into the log context and logs its single ending line;
+    records the call as a span named `span_name` under `parent` when `tracer` records."""
 
-    def __init__(self, context, service: str, method: str, trace: TraceContext, **ids) -> None:
+    def __init__(self, context, service: str, method: str, parent: Context, tracer: trace.Tracer = NO_TRACER,
+                 span_name: str | None = None, span_attributes: dict | None = None, **ids) -> None:
         self._context = context
         self.service = service
         self.method = method
-        self.trace = trace
+        self.parent = parent
+        self.span = tracer.start_span(span_name or f"{service}.{method}", context=parent,
+                                      kind=trace.SpanKind.SERVER, attributes=span_attributes)
         self.fields: dict = {}
         self.code: str | None = None
         self._final_sent = False
@@ -78,8 +89,8 @@ class RequestScope:
 
     @classmethod
     def for_call(cls, context, service: str, method: str, **ids) -> "RequestScope":
-        """A scope that continues the caller's trace from the call's metadata."""
-        return cls(context, service, method, TraceContext.from_metadata(context.invocation_metadata()), **ids)
+        """A scope that continues the caller's trace from the call's metadata (no span of its own)."""
+        return cls(context, service, method, parent_context(context.invocation_metadata()), **ids)
 
     def bind(self, **fields) -> None:
         """Adds fields to every log line of this call from now on (and to its ending line)."""
@@ -104,7 +115,7 @@ class RequestScope:
         self._on_end.append(callback)
 
     def __enter__(self) -> "RequestScope":
-        self.bind(service=self.service, **self.trace.log_fields(), **self._ids)
+        self.bind(service=self.service, **log_fields(self.span, self.parent), **self._ids)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -117,11 +128,39 @@ class RequestScope:
                 callback(self)
         except Exception:  # observing a request must never change how it ends
             log.exception("request_end_callback_failed")
-        emit = log.warning if self.code in _SERVER_FAULTS else log.info
         # The bound fields are passed explicitly too: a stream closed by the generator finaliser
         # exits in a context where they were never bound.
         line = {**self._bound, "method": self.method, "code": self.code, "latency_s": round(self.latency, 6)}
         line.update(self.fields)
-        emit("request_end", **line)
+        log_request_end(line)
         structlog.contextvars.unbind_contextvars(*self._bound)
+        if self.span.is_recording():
+            _end_span(self.span, line, self.code)
         return False
+
+
+def log_request_end(line: dict) -> None:
+    """Logs a request's one `request_end` line: at warning when its `code` is a server fault."""
+    emit = log.warning if line.get("code") in _SERVER_FAULTS else log.info
+    emit("request_end", **line)
+
+
+# Fields of the ending line that are the span's own identity, not attributes of it.
+_NOT_ATTRIBUTES = frozenset({"trace_id", "span_id", "parent_span_id", "service"})
+
+
+def _end_span(span: trace.Span, line: dict, code: str) -> None:
+    """Ends a call's span with the ending line's fields as `tandem.*` attributes."""
+    attributes = {}
+    for key, value in line.items():
+        if key in _NOT_ATTRIBUTES:
+            continue
+        if isinstance(value, (list, tuple)):
+            value = [str(v) for v in value]
+        elif not isinstance(value, (str, bool, int, float)):
+            continue
+        attributes[f"tandem.{key}"] = value
+    span.set_attributes(attributes)  # one call: the SDK takes its lock once, not per attribute
+    if code in _SERVER_FAULTS:
+        span.set_status(trace.StatusCode.ERROR, code)
+    span.end()

@@ -1,162 +1,148 @@
-"""W3C Trace Context (`traceparent` / `tracestate`) for gRPC metadata, without an SDK.
+"""OpenTelemetry for Tandem: each process's tracer, and W3C trace context in gRPC metadata.
 
-Tandem records no spans itself; it only carries the trace across its hop so that the frontend's
-and the engine's log lines of one request share a `trace_id` with whatever the client traced.
-Each service acts as one span: it keeps the incoming trace ID, remembers the caller's span ID as
-its parent, and sends a fresh span ID of its own downstream. A missing or malformed header
-starts a new trace (and, as the specification requires, drops `tracestate` with it).
+The OpenTelemetry API and SDK do the work (IDs, sampling, `traceparent`/`tracestate` parsing
+and limits, batching, OTLP export); this module holds only what they do not:
 
-Format (https://www.w3.org/TR/trace-context/): `version-traceid-parentid-flags`, lowercase hex,
-`00-<32 hex>-<16 hex>-<2 hex>`; all-zero IDs and version `ff` are invalid.
+- `Tracing.start(endpoint, service_name)`: a process's tracer. With an OTLP endpoint it is the
+  SDK's (spans batched by a `BatchSpanProcessor` and sent over OTLP/gRPC; the SDK's `OTEL_BSP_*`
+  and `OTEL_TRACES_SAMPLER` variables apply; the default sampler follows the caller's sampled
+  flag). Without one it is the API's no-op tracer: a "span" is the caller's context passed on
+  unchanged, so nothing is allocated, recorded or sent and the caller's trace still reaches the
+  engine (and both services' log lines) intact.
+- `parent_context(metadata)` / `outgoing_metadata(span)`: trace context from a call's metadata
+  (gRPC, or HTTP headers in the same shape) and into the next hop's.
+- `log_fields(span, parent)` / `caller_log_fields(parent)`: the IDs a request's log lines carry.
+- `epoch_ns(monotonic)`: a `time.monotonic()` reading (the engine core's timestamps) as the
+  wall-clock nanoseconds spans are stamped with.
+
+A tracer is passed to the servicers that record spans (no global provider): tests and tools
+that run several servers in one process keep them apart.
 """
 
 from __future__ import annotations
 
-import os
-import re
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
-
-_HEX = re.compile(r"[0-9a-f]+\Z")
-_INVALID_TRACE_ID = "0" * 32
-_INVALID_SPAN_ID = "0" * 16
-# The specification lets a receiver drop tracestate it cannot keep; 512 characters and 32
-# list members are the limits it asks propagators to honour.
-_MAX_TRACESTATE_CHARS = 512
-_MAX_TRACESTATE_MEMBERS = 32
-SAMPLED = 0x01
+_HEADERS = (TRACEPARENT, TRACESTATE)
+_PROPAGATOR = TraceContextTextMapPropagator()
+NO_TRACER: trace.Tracer = trace.NoOpTracer()
+INSTRUMENTATION_NAME = "tandem"
 
 
-def _is_hex(s: str, length: int) -> bool:
-    return len(s) == length and _HEX.match(s) is not None
+def check_otlp_endpoint(text: str) -> str:
+    """An OTLP/gRPC collector address: `http://HOST:PORT` (plaintext) or `https://HOST:PORT`
+    (TLS, the system's root certificates). The scheme is required: it decides whether the spans
+    travel encrypted, which is not left to a guess."""
+    scheme, sep, rest = str(text).partition("://")
+    host, colon, port = rest.rstrip("/").rpartition(":")
+    if not sep or scheme not in ("http", "https") or not colon or not host or not port.isdigit() \
+            or not 1 <= int(port) <= 65535:
+        raise ValueError(f"expected http://HOST:PORT (plaintext) or https://HOST:PORT (TLS), got {text!r}")
+    return str(text)
 
 
-def new_trace_id() -> str:
-    while True:  # all zeros is invalid; astronomically unlikely, but cheap to rule out
-        value = os.urandom(16).hex()
-        if value != _INVALID_TRACE_ID:
-            return value
+@dataclass
+class Tracing:
+    """One process's tracer and, when it exports, the SDK provider to flush at shutdown."""
 
-
-def new_span_id() -> str:
-    while True:
-        value = os.urandom(8).hex()
-        if value != _INVALID_SPAN_ID:
-            return value
-
-
-@dataclass(frozen=True)
-class TraceParent:
-    """A parsed `traceparent` header: trace ID, the sender's span ID and the trace flags."""
-
-    trace_id: str
-    span_id: str
-    flags: int = 0
+    tracer: trace.Tracer = NO_TRACER
+    provider: Any = None  # opentelemetry.sdk.trace.TracerProvider when exporting
 
     @property
-    def sampled(self) -> bool:
-        return bool(self.flags & SAMPLED)
-
-    def header(self) -> str:
-        """The header value, always in version 00 (the only version this code writes)."""
-        return f"00-{self.trace_id}-{self.span_id}-{self.flags:02x}"
-
-
-def parse_traceparent(value: str | None) -> TraceParent | None:
-    """Parses a `traceparent` value; None when absent or invalid.
-
-    Versions above 00 are accepted if their first four fields parse, with anything after a
-    further `-` ignored, as the specification asks of version-00 parsers.
-    """
-    if not value:
-        return None
-    value = value.strip()
-    if len(value) < 55:
-        return None
-    version = value[:2]
-    if not _is_hex(version, 2) or version == "ff":
-        return None
-    if version == "00" and len(value) != 55:
-        return None
-    if len(value) > 55 and value[55] != "-":
-        return None
-    if value[2] != "-" or value[35] != "-" or value[52] != "-":
-        return None
-    trace_id, span_id, flags = value[3:35], value[36:52], value[53:55]
-    if not (_is_hex(trace_id, 32) and _is_hex(span_id, 16) and _is_hex(flags, 2)):
-        return None
-    if trace_id == _INVALID_TRACE_ID or span_id == _INVALID_SPAN_ID:
-        return None
-    return TraceParent(trace_id, span_id, int(flags, 16))
-
-
-def clean_tracestate(values: Iterable[str]) -> str | None:
-    """Joins repeated `tracestate` values into one; None if empty or beyond the limits.
-
-    Tandem adds no entry of its own, so it passes the list on unchanged when it is within the
-    specification's limits and printable ASCII, and drops it otherwise.
-    """
-    members = [m.strip() for v in values for m in v.split(",") if m.strip()]
-    if not members or len(members) > _MAX_TRACESTATE_MEMBERS:
-        return None
-    joined = ",".join(members)
-    if len(joined) > _MAX_TRACESTATE_CHARS or not all(32 < ord(c) < 127 or c == " " for c in joined):
-        return None
-    if any("=" not in m for m in members):
-        return None
-    return joined
-
-
-@dataclass(frozen=True)
-class TraceContext:
-    """This service's place in a trace: the trace, the caller's span (if any) and our own span."""
-
-    trace_id: str
-    span_id: str
-    parent_span_id: str | None = None
-    flags: int = 0
-    tracestate: str | None = None
+    def enabled(self) -> bool:
+        return self.provider is not None
 
     @classmethod
-    def from_metadata(cls, metadata: Iterable[tuple[str, str | bytes]] | None) -> "TraceContext":
-        """Continues the caller's trace from gRPC metadata, or starts a new one."""
-        parent_value: str | None = None
-        states: list[str] = []
-        for key, value in metadata or ():
-            if isinstance(value, bytes):  # binary (-bin) metadata: never a trace header
-                continue
-            key = key.lower()
-            if key == TRACEPARENT and parent_value is None:
-                parent_value = value
-            elif key == TRACESTATE:
-                states.append(value)
-        parent = parse_traceparent(parent_value)
-        if parent is None:
-            return cls(trace_id=new_trace_id(), span_id=new_span_id())
-        return cls(
-            trace_id=parent.trace_id,
-            span_id=new_span_id(),
-            parent_span_id=parent.span_id,
-            flags=parent.flags,
-            tracestate=clean_tracestate(states),
-        )
+    def start(cls, endpoint: str | None, service_name: str) -> "Tracing":
+        """The no-op tracer without `endpoint`; else an SDK tracer exporting to it over OTLP/gRPC."""
+        if not endpoint:
+            return cls()
+        # The SDK and exporter load only when tracing is on.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    def traceparent(self) -> str:
-        """The header that names this service's span as the parent of the next hop."""
-        return TraceParent(self.trace_id, self.span_id, self.flags).header()
+        endpoint = check_otlp_endpoint(endpoint)
+        provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+        exporter = OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        return cls(provider.get_tracer(INSTRUMENTATION_NAME, _version()), provider)
 
-    def outgoing_metadata(self) -> tuple[tuple[str, str], ...]:
-        """gRPC metadata for a downstream call."""
-        md: tuple[tuple[str, str], ...] = ((TRACEPARENT, self.traceparent()),)
-        if self.tracestate:
-            md += ((TRACESTATE, self.tracestate),)
-        return md
+    def shutdown(self) -> None:
+        """Sends the spans still batched and stops the exporter (a no-op when not exporting)."""
+        if self.provider is not None:
+            self.provider.shutdown()
+            self.provider = None
 
-    def log_fields(self) -> dict[str, str]:
-        fields = {"trace_id": self.trace_id, "span_id": self.span_id}
-        if self.parent_span_id:
-            fields["parent_span_id"] = self.parent_span_id
-        return fields
+
+def _version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem-common")
+    except PackageNotFoundError:
+        return None
+
+
+def parent_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
+    """The caller's trace context from call metadata (keys in any case; binary `-bin` values and
+    repeated `tracestate` entries handled); an empty context when it sends none or an invalid one
+    (the SDK then starts a trace; the no-op tracer has nothing to pass on)."""
+    carrier: dict[str, list[str]] = {}
+    for key, value in metadata or ():
+        if isinstance(value, bytes):
+            continue
+        key = key.lower()
+        if key in _HEADERS:
+            carrier.setdefault(key, []).append(value)
+    if TRACEPARENT not in carrier:
+        return Context()
+    return _PROPAGATOR.extract(carrier)
+
+
+def outgoing_metadata(span: trace.Span) -> tuple[tuple[str, str], ...]:
+    """Metadata naming `span` as the parent of a downstream call (empty when it has no valid
+    context: no trace to continue)."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return tuple(carrier.items())
+
+
+def log_fields(span: trace.Span, parent: Context) -> dict[str, str]:
+    """`trace_id`, this process's `span_id` when it records one, and the caller's span as
+    `parent_span_id`; nothing when the request belongs to no trace."""
+    fields: dict[str, str] = {}
+    caller = trace.get_current_span(parent).get_span_context()
+    own = span.get_span_context()
+    if own.is_valid:
+        fields["trace_id"] = trace.format_trace_id(own.trace_id)
+        if span.is_recording():
+            fields["span_id"] = trace.format_span_id(own.span_id)
+    if caller.is_valid:
+        fields["parent_span_id"] = trace.format_span_id(caller.span_id)
+    return fields
+
+
+def caller_log_fields(parent: Context) -> dict[str, str]:
+    """`log_fields` of a request recorded by no span of this process: the caller's trace and span."""
+    return log_fields(trace.get_current_span(parent), parent)
+
+
+def epoch_ns(monotonic: float, now_ns: int | None = None, now_monotonic_ns: int | None = None) -> int:
+    """`monotonic` (a `time.monotonic()` reading of this host, any process) as nanoseconds since
+    the epoch; `now_ns` / `now_monotonic_ns` pin the two clocks' offset (one pair per batch)."""
+    if now_ns is None:
+        now_ns = time.time_ns()
+    if now_monotonic_ns is None:
+        now_monotonic_ns = time.monotonic_ns()
+    return now_ns - now_monotonic_ns + int(monotonic * 1e9)

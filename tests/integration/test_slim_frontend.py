@@ -42,6 +42,14 @@ def test_slim_venv_has_neither_torch_nor_the_engine(slim_venv):
         assert r.returncode != 0 and "No module named" in r.stderr, (module, r.stderr[-300:])
 
 
+def test_slim_venv_has_what_tracing_needs(slim_venv):
+    # --otlp-endpoint loads the OpenTelemetry SDK and its OTLP/gRPC exporter (tandem.tracing).
+    code = ("from tandem.tracing import Tracing; import opentelemetry.sdk.trace; "
+            "import opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+    r = subprocess.run([str(slim_venv / "bin" / "python"), "-P", "-c", code], capture_output=True, text=True, cwd="/")
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_slim_frontend_serves_a_chat_against_a_full_engine(slim_venv, smollm2_dir, server_tools):
     ServerProcess, free_port, wait_serving = server_tools.ServerProcess, server_tools.free_port, server_tools.wait_serving
     eport, fport = free_port(), free_port()

@@ -17,7 +17,7 @@ from tandem.engine_service.api.metrics import EngineMetrics
 from tandem.frontend.metrics import FrontendMetrics
 from tandem.metrics import token_buckets
 from tandem.request_scope import RequestScope, grpc_outcome
-from tandem.tracing import TraceContext
+from tandem.tracing import parent_context
 from tandem.v1 import common_pb2, frontend_pb2
 
 MODEL = {"model_name": "m"}
@@ -200,7 +200,7 @@ def test_token_buckets():
 
 def test_cancel_after_the_final_response_is_ok():
     def end_with_cancel(final_sent: bool) -> str:
-        scope = RequestScope(_Context(remaining=5.0), "engine", "Stream", TraceContext.from_metadata(None),
+        scope = RequestScope(_Context(remaining=5.0), "engine", "Stream", parent_context(None),
                              request_id="r")
         with pytest.raises(asyncio.CancelledError):
             with scope:

@@ -10,7 +10,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
-from tandem.cli_options import DEFAULT_ENGINE_ADDRESS, FrontendServingArgs, MetricsArgs, ServerArgs
+from tandem.cli_options import DEFAULT_ENGINE_ADDRESS, FrontendServingArgs, MetricsArgs, ServerArgs, TracingArgs
 from tandem.frontend.abort_relay import AbortRelay, socket_address
 from tandem.frontend.disaggregation import DisaggregatedPools
 from tandem.frontend.engine_pool import EnginePool
@@ -26,6 +26,7 @@ from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.proto_wire import Limits
 from tandem.security import SecurityOptions, add_port
 from tandem.shutdown import StopSignals
+from tandem.tracing import Tracing
 from tandem.v1 import engine_pb2, frontend_pb2
 
 log = structlog.get_logger(__name__)
@@ -34,12 +35,12 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
-class FrontendOptions(ServerArgs, FrontendServingArgs, MetricsArgs):
+class FrontendOptions(ServerArgs, FrontendServingArgs, MetricsArgs, TracingArgs):
     """Everything `serve_frontend` needs, validated by the CLI that builds it.
 
     The settings that are flags (address, request defaults, reflection, tokenizer, served name,
-    engine transport, metrics) are the fields of the `tandem.cli_options` classes it extends,
-    declared there once; the CLI fills them with `tandem.options.from_args`. A `metrics_host` of
+    engine transport, metrics, tracing) are the fields of the `tandem.cli_options` classes it
+    extends, declared there once; the CLI fills them with `tandem.options.from_args`. A `metrics_host` of
     None binds the service's own `host`; a `tokenizer` of None loads the engine's model directory.
     The fields below are what the CLI resolves (engine lists, credentials) or the worker
     launcher sets.
@@ -125,7 +126,18 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
                          on_force: Callable[[], None] | None = None) -> int:
     """Serves until SIGTERM/SIGINT, then drains (`tandem.shutdown`); `on_stop` runs when the
     signal arrives (it lets extra frontend workers start draining at the same moment), and
-    `on_force` when a second one ends the drain at once."""
+    `on_force` when a second one ends the drain at once. The spans still batched are sent before
+    it returns."""
+    tracing = Tracing.start(options.otlp_endpoint, options.service_name("frontend"))
+    try:
+        return await _serve_frontend(options, ready, on_stop, on_force, tracing)
+    finally:
+        tracing.shutdown()
+
+
+async def _serve_frontend(options: FrontendOptions, ready: asyncio.Event | None,
+                          on_stop: Callable[[], None] | None, on_force: Callable[[], None] | None,
+                          tracing: Tracing) -> int:
     server = grpc.aio.server(
         interceptors=options.security.server_interceptors(),
         options=[
@@ -152,7 +164,7 @@ async def serve_frontend(options: FrontendOptions, ready: asyncio.Event | None =
     servicer = FrontendServicer(pool, RequestIdMap(), FrontendMetrics(disaggregated or pool, registry),
                                 access=options.security.access_policy(), disaggregated=disaggregated, relay=relay,
                                 trust_kv_callers=options.trust_kv_callers, worker_index=options.worker_index,
-                                num_workers=options.num_workers)
+                                num_workers=options.num_workers, tracer=tracing.tracer)
     metrics_host = options.metrics_host if options.metrics_host is not None else options.host
     metrics_endpoint = (
         start_metrics_endpoint(registry, metrics_host, options.metrics_port)

@@ -45,11 +45,15 @@ class HttpCallContext:
 
     `abort` records the status and raises `grpc.aio.AbortError`, as gRPC's does, so the
     servicer's control flow and its outcome accounting (`request_scope.grpc_outcome` reads
-    `code()`) are unchanged. HTTP requests carry no deadline."""
+    `code()`) are unchanged. HTTP requests carry no deadline. `span_name` and `span_attributes`
+    name the request's span after the HTTP route (`POST /v1/chat/completions`) rather than the
+    servicer method it runs; its `traceparent` header is read like gRPC metadata."""
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
         self._metadata = tuple((k.lower(), v) for k, v in request.headers.items())
+        self.span_name = f"{request.method} {request.path}"
+        self.span_attributes = {"http.request.method": request.method, "http.route": request.path}
         self._code: grpc.StatusCode | None = None
         self._details = ""
         self.trailing_metadata: tuple = ()

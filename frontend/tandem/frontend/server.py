@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
+from opentelemetry import trace
 
 from tandem.frontend import control_plane
 from tandem.frontend.abort_relay import AbortRelay, relayed_caller
@@ -46,6 +47,7 @@ from tandem.proto_wire import (
     to_struct,
 )
 from tandem.security import AccessPolicy
+from tandem.tracing import NO_TRACER
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -122,8 +124,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def __init__(self, pool: EnginePool, ids: RequestIdMap, metrics: FrontendMetrics | None = None,
                  access: AccessPolicy | None = None, disaggregated: DisaggregatedPools | None = None,
                  relay: AbortRelay | None = None, trust_kv_callers: bool = False,
-                 worker_index: int = 0, num_workers: int = 1) -> None:
+                 worker_index: int = 0, num_workers: int = 1, tracer: trace.Tracer = NO_TRACER) -> None:
         self.pool = pool
+        self.tracer = tracer  # records a span per Generate / Stream call (tandem.tracing)
         self.worker_index, self.num_workers = worker_index, num_workers  # GetServerInfo reports them
         # Callers may send and see KV transfer parameters beyond `extra` (a router on a private
         # network); off: such parameters are refused and replies carry `extra` only.
@@ -168,8 +171,16 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         return final
 
     def _observe(self, request, context, method: str) -> RequestObservation:
-        # A request that failed to parse has no ID; `_run` rejects it.
-        return RequestObservation(context, method, self.metrics, getattr(request, "request_id", ""))
+        # A request that failed to parse has no ID; `_run` rejects it. An HTTP request's context
+        # names its own span (`POST /v1/chat/completions`); a gRPC call's span is the RPC's.
+        span_name = getattr(context, "span_name", None)
+        if span_name is None:
+            span_name = f"{SERVICE_NAME}/{method}"
+            attributes = {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method}
+        else:
+            attributes = context.span_attributes
+        return RequestObservation(context, method, self.metrics, getattr(request, "request_id", ""),
+                                  tracer=self.tracer, span_name=span_name, span_attributes=attributes)
 
     async def Utility(self, request, context):
         await reject_malformed(request, context)

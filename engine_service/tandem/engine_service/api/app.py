@@ -18,10 +18,11 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
-from tandem.cli_options import EngineCoreArgs, EngineMetricsArgs, EngineServerArgs, MetricsArgs
+from tandem.cli_options import EngineCoreArgs, EngineMetricsArgs, EngineServerArgs, MetricsArgs, TracingArgs
 from tandem.engine_service.config import EngineConfig
 from tandem.engine_service.api.core_client import CoreClient
 from tandem.engine_service.api.metrics import EngineMetrics
+from tandem.engine_service.api.request_spans import RequestSpans
 from tandem.engine_service.api.model_info import engine_model_info
 from tandem.engine_service.api.server import SERVICE_NAME, EngineServicer
 from tandem.generation_defaults import load_generation_defaults
@@ -31,6 +32,7 @@ from tandem.metrics import new_registry, start_metrics_endpoint
 from tandem.proto_wire import Limits
 from tandem.security import SecurityOptions, add_port
 from tandem.shutdown import StopSignals
+from tandem.tracing import Tracing
 from tandem.v1 import engine_pb2
 
 log = structlog.get_logger(__name__)
@@ -39,11 +41,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
-class EngineServerOptions(EngineServerArgs, MetricsArgs, EngineMetricsArgs, EngineCoreArgs):
+class EngineServerOptions(EngineServerArgs, MetricsArgs, EngineMetricsArgs, EngineCoreArgs, TracingArgs):
     """Everything `serve_engine` needs besides the engine's config.
 
     The settings that are flags (address, request defaults, reflection, metrics, where the core
-    runs) are the fields of the `tandem.cli_options` classes it extends, declared there once;
+    runs, tracing) are the fields of the `tandem.cli_options` classes it extends, declared there once;
     the CLI fills them with `tandem.options.from_args`. A `metrics_host` of None binds the
     service's own `host`. The fields below are what the CLI resolves or passes on.
     """
@@ -84,7 +86,17 @@ async def start_core(config: EngineConfig, options: EngineServerOptions) -> Core
 
 
 async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready: asyncio.Event | None = None) -> int:
-    """Runs until SIGTERM/SIGINT (exit code 0) or a fatal engine error (exit code 1)."""
+    """Runs until SIGTERM/SIGINT (exit code 0) or a fatal engine error (exit code 1); the spans
+    still batched are sent before it returns."""
+    tracing = Tracing.start(options.otlp_endpoint, options.service_name("engine"))
+    try:
+        return await _serve_engine(config, options, ready, tracing)
+    finally:
+        tracing.shutdown()
+
+
+async def _serve_engine(config: EngineConfig, options: EngineServerOptions, ready: asyncio.Event | None,
+                        tracing: Tracing) -> int:
     server = grpc.aio.server(
         interceptors=options.security.server_interceptors(),
         options=[
@@ -93,7 +105,8 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
         ]
     )
     health = await add_health(server, SERVICE_NAME)
-    servicer = EngineServicer(options.security.access_policy())
+    spans = RequestSpans(tracing.tracer) if tracing.enabled else None
+    servicer = EngineServicer(options.security.access_policy(), spans)
     add_service(server, servicer, engine_pb2.DESCRIPTOR.services_by_name["Engine"])
     if options.enable_reflection:
         enable_reflection(server, [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name])
@@ -126,6 +139,8 @@ async def serve_engine(config: EngineConfig, options: EngineServerOptions, ready
     core.on_fatal = lambda message: fatal.set()  # called on the event loop
     # Before start: it adds a step listener. model_name is the name clients use.
     EngineMetrics(core, options.served_model_name or config.model.model, registry, names=options.metrics_names)
+    if spans is not None:
+        core.step_listeners.append(spans.on_step)
     core.start(loop)
     info = core.info
     defaults = load_generation_defaults(config.model.generation_config, config.model.model, info.model_path)

@@ -32,9 +32,11 @@ from tandem.engine_service.api.core_client import (
     QueueFullError,
     UnknownChannelError,
 )
+from tandem.engine_service.api.request_spans import RequestSpans
 from tandem.error_text import bounded, echo
 from tandem.security import AccessPolicy
-from tandem.request_scope import RequestScope
+from tandem.request_scope import RequestScope, log_request_end
+from tandem.tracing import caller_log_fields, parent_context
 from tandem.grpc_service import reject_malformed
 from tandem.proto_wire import (
     FINISH_TO_PROTO,
@@ -58,9 +60,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     """Implements Generate / Stream / Utility over a `CoreClient`: translates protobuf into typed
     core messages and the core's per-step outputs back into protobuf."""
 
-    def __init__(self, access: AccessPolicy | None = None) -> None:
+    def __init__(self, access: AccessPolicy | None = None, spans: RequestSpans | None = None) -> None:
         # Who calls (token digest / certificate name): a producer caps leases per caller.
         self.access = access if access is not None else AccessPolicy()
+        # Tracing on: each admitted request's spans, under the trace context its call carried.
+        self.spans = spans
         # Registered before the server starts (gRPC needs its handlers then); attached to the
         # engine once the model is loaded. Until then every call gets UNAVAILABLE.
         self.engine: CoreClient | None = None
@@ -68,6 +72,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.model_info: engine_pb2.EngineModelInfo | None = None
         # Multiplexed requests in flight: request_id -> (its EngineRequest, first message pending).
         self._mux_requests: dict[str, tuple[engine_pb2.EngineRequest, bool]] = {}
+        # Their `request_end` lines, begun at admission: request_id -> (Submit's time, the line's
+        # fields so far). A mux request has no call of its own to log its end (see _log_mux_end).
+        self._mux_ends: dict[str, tuple[float, dict]] = {}
 
     def attach(self, engine: CoreClient, limits: Limits, model_info: engine_pb2.EngineModelInfo) -> None:
         self.engine = engine
@@ -105,12 +112,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return self.engine.submit(request.request_id, prompt, params, channel=channel, kv_transfer_params=kv_params,
                                   deadline=deadline, caller=caller)
 
-    async def _start(self, request, context, channel: str | None = None):
+    async def _start(self, request, context, method: str, channel: str | None = None):
         await reject_malformed(request, context)
         await self._require_engine(context)
         try:
-            return self._admit(request, channel, context.invocation_metadata(), context.time_remaining(),
-                               self.access.caller_identity(context))
+            stream = self._admit(request, channel, context.invocation_metadata(), context.time_remaining(),
+                                 self.access.caller_identity(context))
+            if self.spans is not None:
+                self.spans.begin(request.request_id, parent_context(context.invocation_metadata()), method)
+            return stream
         except UnknownChannelError:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"channel_id {echo(channel)} is not subscribed")
         except InvalidRequest as exc:
@@ -140,7 +150,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             return msg
 
     async def _stream(self, request, context):
-        stream = await self._start(request, context)
+        stream = await self._start(request, context, "Stream")
         first = True
         try:
             while True:
@@ -157,7 +167,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             self.engine.release(request.request_id)
 
     async def _generate(self, request, context):
-        stream = await self._start(request, context)
+        stream = await self._start(request, context, "Generate")
         collected: list[RequestOutput] = []
         try:
             while not (collected and collected[-1].finished):
@@ -194,10 +204,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         continue
                     msg = self._response(submitted, items, first)
                     if items[-1].finished:
+                        code = "OK"
                         if items[-1].finish_reason == FinishReason.ERROR:
                             msg.error = bounded(items[-1].error or "engine error")
                             msg.error_code = error_status(items[-1]).value[0]
+                            code = error_status(items[-1]).name
+                        elif items[-1].finish_reason == FinishReason.ABORT:
+                            code = "CANCELLED"
                         del self._mux_requests[request_id]
+                        self._log_mux_end(request_id, code, _end_fields(msg))
                     else:
                         self._mux_requests[request_id] = (submitted, False)
                     batch.responses.append(msg)
@@ -209,6 +224,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             for request_id in [rid for rid, (sub, _) in self._mux_requests.items()
                                if sub.channel_id == request.channel_id]:
                 del self._mux_requests[request_id]
+                self._log_mux_end(request_id, "CANCELLED", {})
             engine.close_channel(request.channel_id)
 
     async def Submit(self, request, context):
@@ -221,12 +237,25 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # Registered before admission so the first step's output always finds its request.
         self._mux_requests[request.request_id] = (request, True)
         try:
-            await self._start(request, context, channel=request.channel_id)
+            await self._start(request, context, "Submit", channel=request.channel_id)
         except BaseException:
             if self._mux_requests.get(request.request_id, (None,))[0] is request:
                 del self._mux_requests[request.request_id]
             raise
+        self._mux_ends[request.request_id] = (time.monotonic(), {
+            "service": "engine", **caller_log_fields(parent_context(context.invocation_metadata())),
+            "request_id": request.request_id})
         return engine_pb2.SubmitResponse(request_id=request.request_id)
+
+    def _log_mux_end(self, request_id: str, code: str, fields: dict) -> None:
+        """The one `request_end` line of a multiplexed request, as a Stream call's would be
+        (method Submit): when its last output is delivered, or when its subscription closed
+        first (CANCELLED: the engine aborts it)."""
+        begun = self._mux_ends.pop(request_id, None)
+        if begun is not None:
+            start, line = begun
+            log_request_end({**line, "method": "Submit", "code": code,
+                             "latency_s": round(time.monotonic() - start, 6), **fields})
 
     async def Utility(self, request, context):
         await reject_malformed(request, context)
@@ -344,7 +373,12 @@ def _request_scope(request, context, method: str) -> RequestScope:
 
 def _note_end(scope: RequestScope, msg: engine_pb2.EngineResponse) -> None:
     """Puts a finished request's outcome on its ending log line."""
-    scope.note(
+    scope.note(**_end_fields(msg))
+
+
+def _end_fields(msg: engine_pb2.EngineResponse) -> dict:
+    """A finished request's outcome, as its ending log line names it."""
+    return dict(
         finish_reason=common_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower(),
         prompt_tokens=msg.usage.prompt_tokens,
         completion_tokens=msg.usage.completion_tokens,
