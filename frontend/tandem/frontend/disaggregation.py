@@ -31,6 +31,7 @@ import grpc
 import structlog
 
 from tandem.frontend.engine_pool import EnginePool, EngineReplica, NoEngineAvailable, PoolLimits
+from tandem.frontend.rpc_error import rpc_error
 from tandem.v1 import common_pb2, engine_pb2
 
 log = structlog.get_logger(__name__)
@@ -64,10 +65,6 @@ class LegFailed(grpc.aio.AioRpcError):
         self.leg = leg
         self.pool = pool
         self.replica = replica
-
-
-def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class DisaggregatedPools:
@@ -220,7 +217,7 @@ class TwoLegCall:
             return None
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         return remaining
 
     def __aiter__(self):
@@ -293,7 +290,7 @@ class TwoLegCall:
             try:
                 self.decode = self.pools.decode.pick()
             except NoEngineAvailable as exc:  # the lease stays ours: released on the way out
-                raise LegFailed(_rpc_error(grpc.StatusCode.UNAVAILABLE, str(exc)), "decode", self.pools.decode,
+                raise LegFailed(rpc_error(grpc.StatusCode.UNAVAILABLE, str(exc)), "decode", self.pools.decode,
                                 None) from None
         if self.on_decode_replica is not None:
             self.on_decode_replica(self.decode)

@@ -19,6 +19,7 @@ import uuid
 import grpc
 import structlog
 
+from tandem.frontend.rpc_error import rpc_error
 from tandem.v1 import common_pb2, engine_pb2
 
 log = structlog.get_logger(__name__)
@@ -26,10 +27,6 @@ log = structlog.get_logger(__name__)
 
 # EngineResponse.error_code (a status code's number) back to the status; 0 (unset) is INTERNAL.
 _STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode if code != grpc.StatusCode.OK}
-
-
-def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class MuxChannel:
@@ -75,10 +72,10 @@ class MuxChannel:
         except grpc.aio.AioRpcError as exc:
             error = exc
         except asyncio.CancelledError:
-            error = _rpc_error(grpc.StatusCode.UNAVAILABLE, "frontend closed the engine subscription")
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "frontend closed the engine subscription")
         finally:
             self.open = False
-            failure = error or _rpc_error(grpc.StatusCode.UNAVAILABLE, "engine subscription ended")
+            failure = error or rpc_error(grpc.StatusCode.UNAVAILABLE, "engine subscription ended")
             if self._stopping and not self._closing:
                 # Requests still on it end with `failure`, and report that themselves.
                 log.info("engine_subscription_ended_while_stopping", address=self.address,
@@ -134,7 +131,7 @@ class MuxCall:
             return await asyncio.wait_for(self.queue.get(), remaining)
         except asyncio.TimeoutError:
             self.cancel()  # the engine aborts the request: nothing runs on past the deadline
-            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
 
     async def _responses(self):
         rid = self.request.request_id
@@ -155,7 +152,7 @@ class MuxCall:
                     raise item
                 if item.finish_reason == common_pb2.FINISH_REASON_ERROR:
                     self.ended = True
-                    raise _rpc_error(_STATUS_BY_CODE.get(item.error_code, grpc.StatusCode.INTERNAL),
+                    raise rpc_error(_STATUS_BY_CODE.get(item.error_code, grpc.StatusCode.INTERNAL),
                                      item.error or "engine error")
                 if item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     self.ended = True

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.frontend.engine_discovery import EngineName, Resolver, engine_address, parse_engine_name, resolve_name
 from tandem.frontend.engine_mux import MuxChannel
+from tandem.frontend.rpc_error import rpc_error
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -86,8 +87,8 @@ class EngineReplica:
                 common_pb2.UtilityRequest(command=command, request_id=request_id), timeout=timeout
             )
         except grpc.aio.UsageError:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       f"engine {self.address} left the pool (its channel is closed)") from None
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                            f"engine {self.address} left the pool (its channel is closed)") from None
         return json_format.MessageToDict(resp.result)
 
     async def check(self, timeout: float = 2.0) -> bool:
