@@ -35,7 +35,15 @@ eng = LLMEngine(cfg)
 has_so = hasattr(SamplingParams, "__struct_fields__") and "structured_output" in SamplingParams.__struct_fields__
 if a.tokenizer and has_so:
     from tandem.engine_service.grammar.compiler import GrammarCompiler
-    eng._grammars = GrammarCompiler(a.tokenizer, eng.vocab_size, eng.eos_token_ids)
+    from tokenizers import Tokenizer
+
+    path = a.tokenizer if a.tokenizer.endswith(".json") else f"{a.tokenizer}/tokenizer.json"
+    # The model's EOS ids may lie beyond a borrowed tokenizer's vocabulary (Qwen3's 151645 against
+    # SmolLM2's 49152), which llguidance refuses; the probe's requests ignore EOS, so the
+    # tokenizer's own ids (or none) do.
+    size = Tokenizer.from_file(path).get_vocab_size()
+    eos = tuple(e for e in eng.eos_token_ids if e < size)
+    eng._grammars = GrammarCompiler(path, eng.vocab_size, eos)
 sync = torch.cuda.synchronize if eng.runner.device.type == "cuda" else (lambda: None)
 
 

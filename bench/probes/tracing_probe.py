@@ -33,7 +33,9 @@ from tandem.tracing import NO_TRACER, Tracing, log_fields, outgoing_metadata, pa
 from opentelemetry import trace
 
 
-class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
+class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP receiver that counts the spans exported to it (tracing_served_probe.py uses it too)."""
+
     def __init__(self) -> None:
         self.spans = 0
 
@@ -93,7 +95,7 @@ def main() -> None:
     untraced = (("user-agent", "grpc-python/1.0"), ("authorization", "Bearer x"))
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
-    sink = _Sink()
+    sink = SpanCounter()
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

@@ -27,21 +27,13 @@ from concurrent import futures
 
 import grpc
 import psutil
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from tandem.client import TandemClient
+from tracing_probe import SpanCounter  # this folder is the script's own: first on sys.path
 
 EXPORT_WAIT_S = 1.5  # OTEL_BSP_SCHEDULE_DELAY is set to 500 ms below: every span is out by then
 IDLE_WINDOW_S = 10.0
-
-
-class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self) -> None:
-        self.spans = 0
-
-    def Export(self, request, context):
-        self.spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
 
 
 def _free_port() -> int:
@@ -106,7 +98,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     args = ap.parse_args()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    sink = _Sink()
+    sink = SpanCounter()
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
     otlp = server.add_insecure_port("127.0.0.1:0")
     server.start()
