@@ -15,8 +15,10 @@ from tandem.engine_service.config import CacheConfig, EngineConfig, ModelConfig,
 from tandem.engine_service.core.engine import LLMEngine
 from tandem.engine_service.sequence import SamplingParams
 
-# Long enough that no request completes inside the window: lowercase words, up to 600 characters.
-REGEX = r"[a-z]{1,12}( [a-z]{1,12}){0,60}"
+# No request can complete inside the window: at least 201 lowercase words (a token holds at most one
+# word with its space, so 201+ tokens) before the grammar accepts anything, EOS included; a
+# shorter minimum let requests of the H100 run at 759d105 sample EOS and end early.
+REGEX = r"[a-z]{1,12}( [a-z]{1,12}){200,260}"
 
 p = argparse.ArgumentParser()
 p.add_argument("model", nargs="?", default="smollm2-135m-instruct")
