@@ -170,6 +170,9 @@ def test_engine_core_abort_and_fault_hook(engine):
     batch = core.step()
     aborted = {o.request_id: o for o in batch.outputs if o.finished}
     assert aborted["x"].finish_reason == FinishReason.ABORT and aborted["x"].num_prompt_tokens == 5
+    # It was in a step: its stamp goes out with the abort (queue time, the engine's spans).
+    assert aborted["x"].first_scheduled_time is not None and aborted["x"].first_scheduled_time >= 1.0
+    assert aborted["never-seen"].first_scheduled_time is None
     assert aborted["never-seen"].finish_reason == FinishReason.ABORT and aborted["never-seen"].arrival_time == 0.0
     core = EngineCore(engine, fail_after_steps=engine.counters.steps + 2)
     core.apply(_request("y", max_tokens=50))

@@ -206,9 +206,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if items[-1].finished:
                         code = "OK"
                         if items[-1].finish_reason == FinishReason.ERROR:
+                            status = error_status(items[-1])
                             msg.error = bounded(items[-1].error or "engine error")
-                            msg.error_code = error_status(items[-1]).value[0]
-                            code = error_status(items[-1]).name
+                            msg.error_code = status.value[0]
+                            code = status.name
                         elif items[-1].finish_reason == FinishReason.ABORT:
                             code = "CANCELLED"
                         del self._mux_requests[request_id]

@@ -179,6 +179,10 @@ class LLMEngine:
             return None
         return str(dummy_tokenizer_dir(get_dummy_config(model.model[len(DUMMY_PREFIX):]), model.cache_dir))
 
+    def first_scheduled_time(self, request_id: str) -> float | None:
+        """When a live request was first in a step (`time.monotonic()`); None before that."""
+        return self._first_scheduled.get(request_id)
+
     def abort(self, request_id: str) -> Sequence | None:
         self._constrained.discard(request_id)
         seq = self.scheduler.abort(request_id)
@@ -364,7 +368,7 @@ class LLMEngine:
         o.num_output_tokens = seq.num_output_tokens
         o.num_cached_prompt_tokens = seq.num_cached_prompt_tokens or 0
         o.arrival_time = seq.arrival_time
-        o.first_scheduled_time = self._first_scheduled.get(seq.request_id)
+        o.first_scheduled_time = self.first_scheduled_time(seq.request_id)
         o.first_token_time = seq.first_token_time
         o.kv_transfer_params = seq.kv_transfer_params
         if seq.finish_reason == FinishReason.ERROR:

@@ -156,6 +156,8 @@ class EngineCore:
                                                finish_reason=FinishReason.ERROR, error=str(exc)))
 
     def _abort(self, request_id: str) -> None:
+        # Read before the abort forgets it: the request's spans and queue time need it too.
+        first_scheduled = self.engine.first_scheduled_time(request_id)
         seq = self.engine.abort(request_id)
         self._outputs.append(
             RequestOutput(
@@ -166,6 +168,7 @@ class EngineCore:
                 num_output_tokens=seq.num_output_tokens if seq else 0,
                 num_cached_prompt_tokens=(seq.num_cached_prompt_tokens or 0) if seq else 0,
                 arrival_time=seq.arrival_time if seq else 0.0,
+                first_scheduled_time=first_scheduled,
                 first_token_time=seq.first_token_time if seq else None,
                 kv_transfer_params=seq.kv_transfer_params if seq else None,
             )
